@@ -1,0 +1,35 @@
+# Everything runs from a local virtualenv that `make install` creates, so a
+# fresh machine needs nothing but python3.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+MODEL_DIR ?= runs/pretrain
+TRAIN_GIN ?= gin/pretrain_dense.gin
+PYTEST_ARGS ?=
+
+.PHONY: install train test bench lint clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: install
+	$(BIN)/t5lite-train --gin_file=$(TRAIN_GIN) --gin.MODEL_DIR="'$(MODEL_DIR)'"
+
+test: install
+	$(BIN)/python -m pytest -q -n 2 --durations=15 tests $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+lint: install
+	$(BIN)/python -m compileall -q t5lite tests benchmarks
+	$(BIN)/python -m pytest -q tests/test_gin_files.py
+
+clean:
+	rm -rf $(VENV) *.egg-info build dist
