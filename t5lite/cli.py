@@ -1,0 +1,180 @@
+"""Command-line entry points: t5lite-train, t5lite-eval, t5lite-infer.
+
+T5X-compatible flags: --gin_file (repeatable, later files win),
+--gin_bindings (repeatable, beat files), --gin.NAME=VALUE (same as a
+binding), --gin_search_paths. Gin files resolve from the search paths, the
+current directory and the installed package, so `--gin_file=gin/...` works
+from anywhere. This is the only module that imports gin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_multi_string("gin_file", [], "Gin files to parse, in order; later ones win.")
+flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files.")
+flags.DEFINE_list("gin_search_paths", [], "Extra directories to resolve gin files from.")
+flags.DEFINE_string("tfds_data_dir", None, "TFDS data directory for tasks that read TFDS.")
+flags.DEFINE_list("seqio_additional_cache_dirs", [], "Extra directories of cached SeqIO tasks.")
+flags.DEFINE_bool("multiprocess_gpu", False,
+                  "Start jax.distributed; without addresses, detect them from the cluster.")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+flags.DEFINE_integer("process_count", None, "Number of processes in the job.")
+flags.DEFINE_integer("process_index", None, "Index of this process.")
+flags.DEFINE_integer("initialization_timeout", 300,
+                     "Seconds to wait for all processes to join.")
+
+USER_ERROR_EXIT = 2
+_GIN_FLAG = re.compile(r"^--gin\.([^=]+)=(.*)$", re.DOTALL)
+
+
+def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
+  """Turns each `--gin.NAME=VALUE` into `--gin_bindings=NAME = VALUE`.
+
+  Args:
+    argv: the raw command line.
+
+  Returns:
+    argv with gin shorthand flags rewritten, order kept (so a later binding
+    still beats an earlier one).
+  """
+  out = []
+  for arg in argv:
+    match = _GIN_FLAG.match(arg)
+    out.append(f"--gin_bindings={match.group(1)} = {match.group(2)}" if match else arg)
+  return out
+
+
+def package_gin_root() -> str:
+  """Directory that contains the shipped `gin/` tree (checkout or install)."""
+  import importlib.resources
+  return os.path.dirname(str(importlib.resources.files("t5lite.gin")))
+
+
+def gin_search_paths(extra: Sequence[str]) -> list[str]:
+  return [*extra, os.getcwd(), package_gin_root()]
+
+
+def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
+  if os.path.isabs(name):
+    return name
+  for root in search_paths:
+    candidate = os.path.join(root, name)
+    if os.path.exists(candidate):
+      return candidate
+  raise ValueError(f"Gin file '{name}' not found in {list(search_paths)}; "
+                   "check the path or add its directory with --gin_search_paths.")
+
+
+def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
+  """Parses files then bindings; include statements resolve via the search paths."""
+  import gin
+  for path in search_paths:
+    gin.add_config_file_search_path(path)
+  resolved = [_resolve_file(f, search_paths) for f in files]
+  gin.parse_config_files_and_bindings(resolved, bindings, finalize_config=True)
+
+
+def write_operative_config(model_dir: str) -> None:
+  """Writes the gin config that was actually used to MODEL_DIR/config.gin."""
+  import gin
+  with open(os.path.join(model_dir, "config.gin"), "w") as f:
+    f.write(gin.operative_config_str())
+
+
+def _hide_gpus_from_tensorflow() -> None:
+  # TensorFlow only feeds data; left alone it would grab GPU memory JAX needs.
+  import tensorflow as tf
+  tf.config.set_visible_devices([], "GPU")
+
+
+def _configure_data_dirs() -> None:
+  import seqio
+  if FLAGS.tfds_data_dir:
+    seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)
+  if FLAGS.seqio_additional_cache_dirs:
+    seqio.add_global_cache_dirs(FLAGS.seqio_additional_cache_dirs)
+
+
+def _distributed_config():
+  from t5lite import distributed
+  return distributed.DistributedConfig(
+      multiprocess_gpu=FLAGS.multiprocess_gpu, coordinator_address=FLAGS.coordinator_address,
+      process_count=FLAGS.process_count, process_index=FLAGS.process_index,
+      initialization_timeout=FLAGS.initialization_timeout)
+
+
+def one_line(error: BaseException) -> str:
+  """A user error as one line: gin's multi-line context squeezed out."""
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text}"
+
+
+def _run(entry: Callable[[], Callable[..., object]]) -> None:
+  """Common start-up, then the gin-configured entry point with user errors as one line."""
+  from t5lite import distributed
+  try:
+    distributed.validate(_distributed_config())
+    _hide_gpus_from_tensorflow()
+    distributed.initialize(_distributed_config())
+    _configure_data_dirs()
+    parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
+    entry()()
+  except (ValueError, TypeError, FileNotFoundError) as error:
+    print(f"t5lite: {one_line(error)}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def _train_entry() -> Callable[..., object]:
+  import functools
+  import gin
+  from t5lite import train as train_lib
+  configured = gin.get_configurable(train_lib.train)
+  return functools.partial(configured, summarize_config_fn=write_operative_config)
+
+
+def _main(entry: Callable[[], Callable[..., object]]) -> None:
+  argv = rewrite_gin_args(sys.argv)
+
+  def main(unused_argv: Sequence[str]) -> None:
+    if len(unused_argv) > 1:
+      print(f"t5lite: unexpected arguments {unused_argv[1:]}; flags look like "
+            "--gin_file=... or --gin.NAME=VALUE.", file=sys.stderr)
+      sys.exit(USER_ERROR_EXIT)
+    _run(entry)
+
+  app.run(main, argv=argv)
+
+
+def train_main() -> None:
+  """`t5lite-train`."""
+  _main(_train_entry)
+
+
+def eval_main() -> None:
+  """`t5lite-eval`."""
+  def entry():
+    import gin
+    from t5lite import evaluate
+    return gin.get_configurable(evaluate.evaluate)
+  _main(entry)
+
+
+def infer_main() -> None:
+  """`t5lite-infer`."""
+  def entry():
+    import gin
+    from t5lite import evaluate
+    return gin.get_configurable(evaluate.infer)
+  _main(entry)
+
+
+if __name__ == "__main__":
+  train_main()

@@ -1,0 +1,98 @@
+"""Metric writers: TensorBoard event files and a console progress line.
+
+Only the primary process writes files; the others log to the console only,
+which keeps multi-host runs from writing duplicate event files.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from clu import metric_writers
+
+
+class SummaryWriter:
+  """Writes scalars as TensorBoard events under `logdir`.
+
+  Args:
+    logdir: directory of the event files, e.g. MODEL_DIR/train.
+    is_primary: False on processes other than 0 (console logging only).
+  """
+
+  def __init__(self, logdir: str, is_primary: bool = True):
+    self._writer = metric_writers.create_default_writer(
+        logdir, just_logging=not is_primary, asynchronous=True)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._writer.write_scalars(step, {k: float(v) for k, v in scalars.items()})
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+def mean_metrics(per_step: Sequence[Mapping[str, jax.Array]]) -> dict[str, float]:
+  """Fetches a stats period of per-step device metrics in one transfer and averages."""
+  if not per_step:
+    return {}
+  fetched = jax.device_get(list(per_step))
+  return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(max(0, seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+  """Tracks throughput between stats periods and prints one line each time.
+
+  Args:
+    total_steps: the step the run ends at, for the ETA.
+    start_step: the step training starts from.
+  """
+
+  def __init__(self, total_steps: int, start_step: int):
+    self._total = total_steps
+    self._last_step = start_step
+    self._last_time = time.perf_counter()
+
+  def reset_clock(self, step: int) -> None:
+    """Restarts timing, e.g. after a compile or an evaluation pause."""
+    self._last_step, self._last_time = step, time.perf_counter()
+
+  def timing(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
+    """steps/s, seqs/s and tokens/s since the last call."""
+    now = time.perf_counter()
+    elapsed = max(now - self._last_time, 1e-9)
+    steps = max(step - self._last_step, 1)
+    self._last_step, self._last_time = step, now
+    rate = steps / elapsed
+    return {
+        "timing/steps_per_second": rate,
+        "timing/seqs_per_second": rate * scalars.get("num_examples", 0.0),
+        "timing/target_tokens_per_second": rate * scalars.get("num_tokens", 0.0),
+    }
+
+  def line(self, step: int, scalars: Mapping[str, float]) -> str:
+    rate = scalars.get("timing/steps_per_second", 0.0)
+    eta = (self._total - step) / rate if rate > 0 else float("nan")
+    eta_text = format_duration(eta) if np.isfinite(eta) else "?"
+    return (f"step {step}/{self._total}  loss {scalars.get('loss', float('nan')):.4f}  "
+            f"lr {scalars.get('learning_rate', float('nan')):.3g}  {rate:.2f} steps/s  "
+            f"{scalars.get('timing/target_tokens_per_second', 0.0):.0f} tokens/s  "
+            f"ETA {eta_text}")
+
+
+def log_line(text: str) -> None:
+  """Console output: absl logging on every process (INFO level)."""
+  logging.info("%s", text)
+  print(text, flush=True)

@@ -1,0 +1,290 @@
+"""Partitioner: the device mesh, logical-axis rules and this host's data layout.
+
+Models name every parameter and key activation dimension with a logical axis
+(see `axis_names`). The rules here map those names to mesh axes, so data,
+FSDP, tensor and expert parallelism are all rule choices over one mesh with
+the axes `data`, `fsdp`, `expert`, `seq`, `model` (any of them may be 1).
+This module knows nothing about a particular model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from t5lite import axis_names as ax
+
+MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
+# The batch dimension is split over every mesh axis that does not split
+# parameters within a layer, so each device sees a distinct slice of data.
+BATCH_MESH_AXES = ("data", "fsdp", "expert")
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: LogicalRules | None = None,
+) -> list[tuple[str, str | tuple[str, ...] | None]]:
+  """T5X-style rules: batch over data, wide dimensions over `model`.
+
+  Rules are read in order and the first rule whose mesh axes are still free
+  in an array wins, so `additional_rules` come first to override the rest.
+
+  Args:
+    activation_partitioning_dims: 1 or 2; 2 also splits activations' embed
+      dimension over `model`.
+    parameter_partitioning_dims: 1 or 2; 2 also splits parameters' embed
+      dimension over `data` (2-D weight sharding).
+    additional_rules: rules placed before the standard ones.
+
+  Returns:
+    A list of (logical axis, mesh axes) pairs, plain data that gin can bind.
+
+  Raises:
+    ValueError: a partitioning dimension other than 1 or 2.
+  """
+  for name, dims in (("activation_partitioning_dims", activation_partitioning_dims),
+                     ("parameter_partitioning_dims", parameter_partitioning_dims)):
+    if dims not in (1, 2):
+      raise ValueError(f"{name}={dims} is not supported; use 1 or 2.")
+  rules: list[tuple[str, Any]] = list(additional_rules or [])
+  rules += [
+      (ax.BATCH, BATCH_MESH_AXES),
+      (ax.VOCAB, "model"),
+      (ax.MLP, "model"),
+      (ax.HEADS, "model"),
+      (ax.JOINED_KV, "model"),
+      (ax.EXPERT, "expert"),
+      (ax.EXPERT_MLP, "model"),
+  ]
+  if activation_partitioning_dims == 2:
+    rules.append((ax.EMBED, "model"))
+  if parameter_partitioning_dims == 2:
+    rules.append((ax.EMBED, "data"))
+  rules += [(ax.EMBED, None), (ax.KV, None), (ax.LENGTH, None),
+            (ax.RELPOS_BUCKETS, None), (ax.LAYERS, None)]
+  return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class DataLayout:
+  """Which slice of the global batch this host reads.
+
+  Attributes:
+    batch_size: global batch size.
+    shard_id: index of this host's slice of the batch.
+    num_shards: number of distinct slices across hosts.
+    is_first_host_in_replica_set: False when an earlier host reads the same
+      slice (hosts that only hold model-parallel replicas of it).
+  """
+
+  batch_size: int
+  shard_id: int
+  num_shards: int
+  is_first_host_in_replica_set: bool
+
+
+def _resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """Turns {'data': -1, 'model': 2} into sizes for every axis in MESH_AXES."""
+  unknown = sorted(set(mesh_shape) - set(MESH_AXES))
+  if unknown:
+    raise ValueError(f"Unknown mesh axes {unknown}; allowed axes are {list(MESH_AXES)}.")
+  sizes = [int(mesh_shape.get(name, 1)) for name in MESH_AXES]
+  free = [i for i, s in enumerate(sizes) if s == -1]
+  if len(free) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(
+        f"Invalid mesh shape {dict(mesh_shape)}: sizes must be positive, with at "
+        "most one axis set to -1 (all remaining devices).")
+  known = math.prod(s for s in sizes if s != -1)
+  if free:
+    if num_devices % known:
+      raise ValueError(
+          f"Mesh shape {dict(mesh_shape)} needs a multiple of {known} devices, "
+          f"but there are {num_devices}.")
+    sizes[free[0]] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(
+        f"Mesh shape {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices, "
+        f"but there are {num_devices}; make the product of the axis sizes equal "
+        "the device count or set one axis to -1.")
+  return tuple(sizes)
+
+
+def create_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds a mesh over MESH_AXES with Auto axis types.
+
+  Devices are ordered by (process, id) and the last axes vary fastest, so the
+  `model` axis stays inside a host, where links are fastest.
+
+  Args:
+    mesh_shape: axis name -> size; missing axes have size 1, one may be -1.
+    devices: devices to use; all devices by default.
+
+  Returns:
+    A `jax.sharding.Mesh` whose axes allow logical-rule sharding constraints.
+
+  Raises:
+    ValueError: the shape does not fit the devices, or `model` does not divide
+      the devices of one host.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  sizes = _resolve_mesh_shape(mesh_shape, len(devices))
+  model_size = sizes[MESH_AXES.index("model")]
+  local = len(devices) // max(1, len({d.process_index for d in devices}))
+  if local % model_size:
+    raise ValueError(
+        f"Model-parallel size {model_size} must divide the {local} devices of a "
+        "host so that model-parallel groups never cross hosts.")
+  grid = np.asarray(devices, dtype=object).reshape(sizes)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+class Partitioner:
+  """Owns the mesh and the logical-axis rules; turns logical axes into shardings.
+
+  Args:
+    num_partitions: model-parallel size (T5X meaning): the `model` axis size,
+      with `data` taking the remaining devices. Ignored when `mesh_shape` is
+      given.
+    mesh_shape: explicit axis sizes over MESH_AXES, e.g. {'fsdp': -1}.
+    logical_axis_rules: rules; `standard_logical_axis_rules()` by default.
+    devices: devices to build the mesh from; all devices by default.
+  """
+
+  def __init__(self,
+               num_partitions: int | None = None,
+               mesh_shape: Mapping[str, int] | None = None,
+               logical_axis_rules: LogicalRules | None = None,
+               devices: Sequence[jax.Device] | None = None):
+    if mesh_shape is None:
+      mesh_shape = {"data": -1, "model": int(num_partitions or 1)}
+    self._mesh_shape = dict(mesh_shape)
+    self._devices = devices
+    self._rules = [tuple(r) for r in (logical_axis_rules or standard_logical_axis_rules())]
+    self._mesh: Mesh | None = None
+
+  @property
+  def mesh(self) -> Mesh:
+    """The device mesh, built on first use (after jax.distributed is up)."""
+    if self._mesh is None:
+      self._mesh = create_mesh(self._mesh_shape, self._devices)
+    return self._mesh
+
+  @property
+  def logical_axis_rules(self) -> list[tuple[str, Any]]:
+    return list(self._rules)
+
+  def validate(self) -> None:
+    """Builds the mesh so an impossible shape fails before anything compiles."""
+    _ = self.mesh
+
+  @contextlib.contextmanager
+  def activate(self) -> Iterator[None]:
+    """Sets the mesh and rules so `nn.with_logical_constraint` takes effect."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self._rules):
+      yield
+
+  def logical_to_mesh_spec(self, logical: PartitionSpec | Sequence[str | None]) -> PartitionSpec:
+    """Maps one logical PartitionSpec to a mesh PartitionSpec."""
+    return nn.logical_to_mesh_axes(tuple(logical), self._rules)
+
+  def logical_to_sharding(self, logical_tree: Any) -> Any:
+    """Maps a tree of logical PartitionSpecs to `NamedSharding`s on the mesh."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(self.mesh, self.logical_to_mesh_spec(spec)),
+        logical_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+  def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, ...] input array."""
+    spec = self.logical_to_mesh_spec((ax.BATCH,) + (None,) * (ndim - 1))
+    return NamedSharding(self.mesh, spec)
+
+  def batch_size_divisor(self) -> int:
+    """Number of slices the batch dimension is split into across devices."""
+    spec = self.logical_to_mesh_spec((ax.BATCH,))[0]
+    names = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return math.prod(self.mesh.shape[n] for n in names)
+
+  def get_data_layout(self, batch_size: int) -> DataLayout:
+    """Tells this host which contiguous slice of the global batch it reads.
+
+    Args:
+      batch_size: global batch size.
+
+    Returns:
+      The `DataLayout` for `jax.process_index()`.
+
+    Raises:
+      ValueError: the batch does not split evenly over the data-parallel devices.
+    """
+    divisor = self.batch_size_divisor()
+    if batch_size <= 0 or batch_size % divisor:
+      raise ValueError(
+          f"Batch size {batch_size} must be a positive multiple of the "
+          f"data-parallel size {divisor} (mesh {dict(self.mesh.shape)}); change "
+          "BATCH_SIZE or the mesh.")
+    slices = _host_batch_slices(self.batch_sharding(1), batch_size)
+    mine = slices[jax.process_index()]
+    size = mine[1] - mine[0]
+    first = all(slices[p] != mine for p in sorted(slices) if p < jax.process_index())
+    return DataLayout(batch_size=batch_size, shard_id=mine[0] // size,
+                      num_shards=batch_size // size, is_first_host_in_replica_set=first)
+
+  def partition(self, fn: Callable[..., Any], in_shardings: Any, out_shardings: Any,
+                donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = ()
+                ) -> Callable[..., Any]:
+    """Jits `fn` with shardings; calls run under this mesh and rules.
+
+    Args:
+      fn: a pure function.
+      in_shardings / out_shardings: trees of `NamedSharding` (or None).
+      donate_argnums: arguments whose buffers the result may reuse.
+      static_argnums: arguments treated as compile-time constants.
+
+    Returns:
+      A callable with the same signature as `fn`.
+    """
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=tuple(donate_argnums),
+                     static_argnums=tuple(static_argnums))
+
+    def call(*args, **kwargs):
+      with self.activate():
+        return jitted(*args, **kwargs)
+
+    call.lower = lambda *a, **k: _lower_in(self, jitted, *a, **k)  # type: ignore[attr-defined]
+    return call
+
+
+def _lower_in(partitioner: Partitioner, jitted: Any, *args: Any, **kwargs: Any) -> Any:
+  with partitioner.activate():
+    return jitted.lower(*args, **kwargs)
+
+
+def _host_batch_slices(sharding: NamedSharding, batch_size: int) -> dict[int, tuple[int, int]]:
+  """Maps each process to the [start, stop) rows of the batch its devices hold."""
+  rows: dict[int, list[tuple[int, int]]] = {}
+  for device, index in sharding.devices_indices_map((batch_size,)).items():
+    start, stop, _ = index[0].indices(batch_size)
+    rows.setdefault(device.process_index, []).append((start, stop))
+  slices = {}
+  for process, spans in rows.items():
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    covered = sum(e - s for s, e in set(spans))
+    if covered != stop - start:
+      raise ValueError(
+          f"Process {process} holds a non-contiguous part of the batch {sorted(set(spans))}; "
+          "order the mesh so each host's devices are adjacent along the batch axes.")
+    slices[process] = (start, stop)
+  return slices

@@ -1,0 +1,463 @@
+"""`train()`: the gin-configured entrypoint and its epoch loop.
+
+The body is a few named phases: validate everything cheap, build data, init
+or restore the state, compile, then run epochs. An epoch is the largest step
+count after which something has to happen (a checkpoint, an evaluation or a
+garbage collection), so the inner loop only dispatches steps and never waits
+for the device except at stats periods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from t5lite import checkpoints as ckpt_lib
+from t5lite import metrics as metrics_lib
+from t5lite.checkpoints import CheckpointConfig
+from t5lite.data import datasets
+from t5lite.data.datasets import DatasetConfig
+from t5lite.partitioning import Partitioner
+from t5lite.train_state import TrainState, state_logical_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Periods:
+  """Step counts of the loop; every non-zero period is a multiple of `epoch`."""
+
+  epoch: int
+  checkpoint: int
+  eval: int
+  gc: int
+  stats: int
+
+
+def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_period: int | None,
+                    gc_period: int | None, stats_period: int | None) -> Periods:
+  """Epoch length = min of the eval, checkpoint and gc periods, checked for nesting.
+
+  Args:
+    total_steps: the run's final step (used when no period is set).
+    eval_period / checkpoint_period / gc_period: 0 or None to disable.
+    stats_period: steps between metric fetches; defaults to the epoch length.
+
+  Returns:
+    The validated `Periods`.
+
+  Raises:
+    ValueError: a negative period, or periods that are not multiples of each
+      other (the message names both and suggests a fix).
+  """
+  named = {"eval_period": eval_period or 0, "checkpoint_period": checkpoint_period or 0,
+           "gc_period": gc_period or 0}
+  for name, value in list(named.items()) + [("stats_period", stats_period or 0)]:
+    if value < 0:
+      raise ValueError(f"{name}={value} must be positive (or 0 to disable).")
+  active = sorted((v, k) for k, v in named.items() if v > 0)
+  for (small, small_name), (big, big_name) in zip(active, active[1:]):
+    if big % small:
+      raise ValueError(
+          f"{big_name}={big} is not a multiple of {small_name}={small}; periods must "
+          f"divide each other, e.g. set {big_name}={(big // small + 1) * small}.")
+  epoch = active[0][0] if active else max(total_steps, 1)
+  return Periods(epoch=epoch, checkpoint=named["checkpoint_period"], eval=named["eval_period"],
+                 gc=named["gc_period"], stats=stats_period or epoch)
+
+
+def _check_vocabulary(model: Any, cfg: DatasetConfig) -> None:
+  """The task's vocabulary must be the one the model was built for."""
+  _, targets_vocab = datasets.get_vocabulary(cfg)
+  model_vocab = model.output_vocabulary
+  if (type(targets_vocab) is not type(model_vocab)
+      or targets_vocab.vocab_size != model_vocab.vocab_size):
+    raise ValueError(
+        f"Task '{cfg.mixture_or_task_name}' uses {type(targets_vocab).__name__} with "
+        f"{targets_vocab.vocab_size} tokens but the model was configured with "
+        f"{type(model_vocab).__name__} with {model_vocab.vocab_size}; set the model's "
+        "vocabulary (VOCABULARY) to the task's.")
+  embed = getattr(getattr(model.module, "config", None), "vocab_size", None)
+  if embed is not None and embed < targets_vocab.vocab_size:
+    raise ValueError(
+        f"Model vocab_size {embed} is smaller than the task vocabulary "
+        f"({targets_vocab.vocab_size}); raise the model's vocab_size.")
+
+
+def validate(*, model: Any, train_dataset_cfg: DatasetConfig,
+             train_eval_dataset_cfg: DatasetConfig | None,
+             infer_eval_dataset_cfg: DatasetConfig | None, checkpoint_cfg: CheckpointConfig,
+             partitioner: Partitioner, trainer: Any, periods_kwargs: Mapping[str, Any],
+             actions: Mapping[str, Any] | None) -> Periods:
+  """Every check that needs no compilation and writes nothing.
+
+  Raises:
+    ValueError: the first problem found, as one readable message.
+  """
+  ckpt_lib.validate_config(checkpoint_cfg)
+  save = checkpoint_cfg.save
+  periods = compute_periods(checkpoint_period=save.period if save else 0, **periods_kwargs)
+  partitioner.validate()
+  layout = partitioner.get_data_layout(train_dataset_cfg.batch_size)
+  trainer.validate(train_dataset_cfg.batch_size)
+  for cfg in (train_dataset_cfg, train_eval_dataset_cfg):
+    if cfg is not None:
+      datasets.validate_dataset_config(cfg, num_shards=layout.num_shards)
+      _check_vocabulary(model, cfg)
+  if train_eval_dataset_cfg is not None:
+    partitioner.get_data_layout(train_eval_dataset_cfg.batch_size)
+  if infer_eval_dataset_cfg is not None:
+    raise ValueError("Inference evaluation (infer_eval_dataset_cfg) is not available yet; "
+                     "set train.infer_eval_dataset_cfg = None.")
+  if actions:
+    raise ValueError(f"Unknown action modes {sorted(actions)}; no actions are available yet, "
+                     "set train.actions = {}.")
+  return periods
+
+
+# ---------------------------------------------------------------------------
+# Data
+
+
+def _to_global(batch: Mapping[str, np.ndarray], shardings: Mapping[str, Any],
+               global_batch: int) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(
+      shardings[k], v, (global_batch,) + v.shape[1:]) for k, v in batch.items()}
+
+
+def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iterator[dict]:
+  """Yields global `jax.Array` batches from this host's tf.data batches."""
+  shardings = {k: partitioner.batch_sharding(len(spec.shape))
+               for k, spec in ds.element_spec.items()}
+  for batch in ds.as_numpy_iterator():
+    yield _to_global(batch, shardings, global_batch)
+
+
+def build_train_data(model: Any, cfg: DatasetConfig, partitioner: Partitioner,
+                     skip_batches: int) -> Iterator[dict]:
+  """This host's shard of the training data as global arrays, resumed at a step."""
+  layout = partitioner.get_data_layout(cfg.batch_size)
+  ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
+                            model.FEATURE_CONVERTER_CLS, num_epochs=None)
+  if skip_batches:
+    # A restarted run continues the same data order instead of replaying it.
+    ds = ds.skip(skip_batches)
+  return global_batches(ds.prefetch(2), partitioner, cfg.batch_size)
+
+
+# ---------------------------------------------------------------------------
+# State
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpecs:
+  """Abstract state, its logical axes and its shardings."""
+
+  abstract: TrainState
+  logical: TrainState
+  shardings: TrainState
+
+
+def _input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
+  # Only the element spec is read; nothing is iterated.
+  ds = datasets.get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS, num_epochs=1)
+  spec = ds.element_spec
+  shapes = {k: (1,) + tuple(v.shape[1:]) for k, v in spec.items()}
+  types = {k: v.dtype.as_numpy_dtype for k, v in spec.items()}
+  return shapes, types
+
+
+def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
+                input_types: Mapping[str, Any]) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
+  """Abstract train state, its shardings, and the function that initialises it."""
+  def init(rng):
+    variables = model.get_initial_variables(rng, input_shapes, input_types)
+    return TrainState.create(nn.unbox(variables["params"]), model.optimizer)
+
+  boxed = jax.eval_shape(lambda: model.get_initial_variables(
+      jax.random.key(0), input_shapes, input_types))
+  param_axes = nn.get_partition_spec(boxed)["params"]
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  logical = state_logical_axes(abstract, param_axes)
+  return StateSpecs(abstract, logical, partitioner.logical_to_sharding(logical)), init
+
+
+def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
+                    partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
+                    restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
+                    seed: int) -> tuple[TrainState, int]:
+  """Latest checkpoint in model_dir, else an explicit restore path, else fresh init.
+
+  Returns:
+    (state, step it starts from).
+  """
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
+                                              specs.shardings.state_dict())
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    metrics_lib.log_line(f"Restoring step {latest} from {checkpointer.directory}")
+    return specs.abstract.restore_state(checkpointer.restore(latest, abstract)), latest
+  if restore_cfg is not None and restore_cfg.path:
+    restored, step = ckpt_lib.restore_from_path(restore_cfg, abstract)
+    metrics_lib.log_line(f"Restored step {step} from {restore_cfg.path}")
+    return specs.abstract.restore_state(restored), step
+  # Init under jit with output shardings: a large model is created already
+  # split over the devices, never whole on one.
+  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
+  return init(jax.random.key(seed)), 0
+
+
+def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:
+  """One line per parameter: name, shape, logical axes, mesh partition spec."""
+  flat_abs = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
+  flat_log = jax.tree.leaves(specs.logical.params,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  lines, total = [], 0
+  for (key_path, leaf), logical in zip(flat_abs, flat_log):
+    name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+    mesh_spec = partitioner.logical_to_mesh_spec(logical)
+    total += int(np.prod(leaf.shape))
+    lines.append(f"Variable {name:60s} size {int(np.prod(leaf.shape)):<12d} "
+                 f"shape {str(tuple(leaf.shape)):22s} logical {tuple(logical)} "
+                 f"partition {tuple(mesh_spec)}")
+  opt_total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(specs.abstract.opt_state))
+  lines.append(f"Total number of parameters: {total}")
+  lines.append(f"Total number of optimizer-state values: {opt_total}")
+  lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# Evaluation during training
+
+
+class TrainEvaluator:
+  """Teacher-forced metrics on `eval_steps` batches of a held-out split.
+
+  Each evaluation reads the same first batches, so numbers are comparable
+  across steps. Results go to MODEL_DIR/training_eval/<task>/.
+  """
+
+  def __init__(self, *, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
+               trainer: Any, params_shardings: Any, eval_steps: int, model_dir: str):
+    layout = partitioner.get_data_layout(cfg.batch_size)
+    self._ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
+                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
+    self._partitioner, self._batch = partitioner, cfg.batch_size
+    self._steps = eval_steps
+    self._name = cfg.mixture_or_task_name
+    shardings = {k: partitioner.batch_sharding(len(s.shape))
+                 for k, s in self._ds.element_spec.items()}
+    self._step_fn = trainer.compile_eval_step(params_shardings, shardings)
+    self._writer = metrics_lib.SummaryWriter(
+        os.path.join(model_dir, "training_eval", self._name), jax.process_index() == 0)
+
+  def evaluate(self, step: int, params: Any) -> dict[str, float]:
+    batches = global_batches(self._ds.take(self._steps), self._partitioner, self._batch)
+    results = metrics_lib.mean_metrics([self._step_fn(params, b) for b in batches])
+    self._writer.write_scalars(step, results)
+    self._writer.flush()
+    metrics_lib.log_line(
+        f"train-eval {self._name} step {step}: "
+        + "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()) if k != "num_tokens"))
+    return results
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+# ---------------------------------------------------------------------------
+# The loop
+
+
+@dataclasses.dataclass
+class _Loop:
+  """The pieces the epoch loop drives."""
+
+  step_fn: Callable[..., Any]
+  data: Iterator[dict]
+  checkpointer: ckpt_lib.Checkpointer
+  writer: metrics_lib.SummaryWriter
+  progress: metrics_lib.Progress
+  periods: Periods
+  evaluator: TrainEvaluator | None
+  total_steps: int
+
+
+def _write_stats(loop: _Loop, step: int, pending: list) -> None:
+  scalars = metrics_lib.mean_metrics(pending)
+  scalars.update(loop.progress.timing(step, scalars))
+  loop.writer.write_scalars(step, scalars)
+  metrics_lib.log_line(loop.progress.line(step, scalars))
+  pending.clear()
+
+
+def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> None:
+  """Checkpoint, evaluate and collect garbage when their periods come due."""
+  last = step == loop.total_steps
+  if loop.periods.checkpoint and (step % loop.periods.checkpoint == 0 or last):
+    loop.checkpointer.save(step, state.state_dict())
+  if loop.evaluator and loop.periods.eval and (step % loop.periods.eval == 0 or last):
+    loop.evaluator.evaluate(step, state.params)
+    loop.progress.reset_clock(step)
+  if loop.periods.gc and step % loop.periods.gc == 0:
+    gc.collect()
+
+
+def run_epochs(loop: _Loop, state: TrainState, start_step: int) -> TrainState:
+  """Runs steps from start_step to total_steps, epoch by epoch."""
+  step, pending = start_step, []
+  epoch = loop.periods.epoch
+  while step < loop.total_steps:
+    epoch_end = min(loop.total_steps, (step // epoch + 1) * epoch)
+    while step < epoch_end:
+      state, step_metrics = loop.step_fn(state, next(loop.data))
+      step += 1
+      pending.append(step_metrics)
+      if step % loop.periods.stats == 0 or step == epoch_end:
+        _write_stats(loop, step, pending)
+    _end_of_epoch(loop, step, state)
+  return state
+
+
+def _resolve_seed(random_seed: int | None) -> int:
+  if random_seed is not None:
+    return int(random_seed)
+  seed = int(time.time() * 1000) % (2**31)
+  metrics_lib.log_line(f"random_seed not set; using {seed}")
+  return seed
+
+
+def train(*,
+          model: Any,
+          train_dataset_cfg: DatasetConfig,
+          train_eval_dataset_cfg: DatasetConfig | None = None,
+          infer_eval_dataset_cfg: DatasetConfig | None = None,
+          checkpoint_cfg: CheckpointConfig = CheckpointConfig(),
+          partitioner: Partitioner,
+          trainer_cls: Callable[..., Any],
+          model_dir: str,
+          total_steps: int,
+          eval_steps: int = 10,
+          eval_period: int = 1000,
+          relative_steps: int | None = None,
+          stats_period: int | None = None,
+          random_seed: int | None = 0,
+          actions: Mapping[str, Any] | None = None,
+          run_eval_before_training: bool = False,
+          gc_period: int = 0,
+          summarize_config_fn: Callable[[str], None] | None = None) -> tuple[int, TrainState]:
+  """Trains `model` on `train_dataset_cfg`, checkpointing into `model_dir`.
+
+  Args:
+    model: a `models.BaseModel` (module, vocabularies, optimizer, loss).
+    train_dataset_cfg: training data; `batch_size` is the global batch.
+    train_eval_dataset_cfg: held-out data for teacher-forced evaluation.
+    infer_eval_dataset_cfg: reserved for inference evaluation; must be None.
+    checkpoint_cfg: save period/keep and the explicit restore path.
+    partitioner: mesh and logical-axis rules.
+    trainer_cls: called as trainer_cls(model=..., partitioner=...,
+      dropout_seed=...); gin binds the rest (e.g. num_microbatches).
+    model_dir: where checkpoints, summaries, config.gin and model-info.txt go.
+    total_steps: the step to train up to (absolute).
+    eval_steps: batches per train-eval.
+    eval_period: steps between train-evals; 0 disables.
+    relative_steps: if set, train this many steps past the restored step
+      instead of up to `total_steps`.
+    stats_period: steps between metric fetches and progress lines; defaults
+      to the epoch length.
+    random_seed: seeds init and dropout; None draws one from the clock.
+    actions: reserved; must be empty.
+    run_eval_before_training: also evaluate at the start step.
+    gc_period: steps between Python garbage collections; 0 leaves gc on.
+    summarize_config_fn: called with model_dir on process 0 once inputs are
+      validated (the CLI writes config.gin with it).
+
+  Returns:
+    (final step, final TrainState).
+
+  Raises:
+    ValueError: invalid configuration, before anything compiles or is written.
+  """
+  seed = _resolve_seed(random_seed)
+  trainer = trainer_cls(model=model, partitioner=partitioner, dropout_seed=seed)
+  periods = validate(
+      model=model, train_dataset_cfg=train_dataset_cfg,
+      train_eval_dataset_cfg=train_eval_dataset_cfg,
+      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
+      partitioner=partitioner, trainer=trainer, actions=actions,
+      periods_kwargs=dict(total_steps=total_steps, eval_period=eval_period,
+                          gc_period=gc_period, stats_period=stats_period))
+  return _run(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
+              train_cfg=train_dataset_cfg, eval_cfg=train_eval_dataset_cfg,
+              checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
+              relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
+              run_eval_before_training=run_eval_before_training,
+              summarize_config_fn=summarize_config_fn)
+
+
+def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoint_cfg,
+         model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
+         summarize_config_fn) -> tuple[int, TrainState]:
+  """The phases after validation: set up model_dir, state, data, then the loop."""
+  primary = jax.process_index() == 0
+  os.makedirs(model_dir, exist_ok=True)
+  if primary and summarize_config_fn is not None:
+    summarize_config_fn(model_dir)
+  if periods.gc:
+    gc.disable()  # collected every gc_period steps instead, away from the hot loop
+
+  specs, init_fn = state_specs(model, partitioner, *_input_shapes(model, train_cfg))
+  checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
+  state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
+                                 checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
+                                 seed=seed)
+  end = start + relative_steps if relative_steps is not None else total_steps
+  if primary:
+    write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
+
+  if start >= end:
+    metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
+    checkpointer.close()
+    return start, state
+
+  data = build_train_data(model, train_cfg, partitioner, skip_batches=start)
+  first = next(data)
+  batch_shardings = {k: v.sharding for k, v in first.items()}
+  step_fn = trainer.compile_train_step(specs.shardings, batch_shardings)
+  evaluator = None
+  if eval_cfg is not None and periods.eval:
+    evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
+                               trainer=trainer, params_shardings=specs.shardings.params,
+                               eval_steps=eval_steps, model_dir=model_dir)
+  loop = _Loop(step_fn=step_fn, data=_prepend(first, data), checkpointer=checkpointer,
+               writer=metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), primary),
+               progress=metrics_lib.Progress(end, start), periods=periods,
+               evaluator=evaluator, total_steps=end)
+  metrics_lib.log_line(f"Training steps {start} -> {end} on mesh {dict(partitioner.mesh.shape)}")
+  try:
+    if evaluator and run_eval_before_training:
+      evaluator.evaluate(start, state.params)
+    state = run_epochs(loop, state, start)
+  finally:
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    loop.writer.close()
+    if evaluator:
+      evaluator.close()
+    gc.enable()
+  metrics_lib.log_line(f"Finished at step {end}; checkpoints in {checkpointer.directory}, "
+                       f"summaries in {os.path.join(model_dir, 'train')}")
+  return end, state
+
+
+def _prepend(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
+  yield first
+  yield from rest

@@ -1,0 +1,162 @@
+"""Pure train/eval steps and the Trainer that compiles them on the mesh.
+
+The model's `loss_fn` returns a loss already divided by a normalizer that the
+step computes once from the full batch, plus plain sums. Summing microbatch
+losses and gradients therefore gives exactly the full-batch values, and the
+sums add up the same way for metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from t5lite import optimizers
+from t5lite.partitioning import Partitioner
+from t5lite.train_state import TrainState
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+class Model(Protocol):
+  """The part of `models.BaseModel` the trainer uses."""
+
+  def loss_normalizer(self, batch: Batch) -> jax.Array: ...
+  def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
+              loss_normalizer: jax.Array | None = None) -> tuple[jax.Array, Metrics]: ...
+
+
+def _microbatch(batch: Batch, index: jax.Array, num_microbatches: int) -> Batch:
+  """Rows index, index + n, index + 2n, ...: strided, so each microbatch is
+  spread over every data-parallel device instead of living on a few."""
+  def take(x):
+    rows = x.shape[0] // num_microbatches
+    x = x.reshape((rows, num_microbatches) + x.shape[1:])  # [rows, micro, ...]
+    return jax.lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
+  return jax.tree.map(take, batch)
+
+
+def accumulate_gradients(model: Model, params: Any, batch: Batch, dropout_rng: jax.Array,
+                         num_microbatches: int | None) -> tuple[Any, jax.Array, Metrics]:
+  """Loss, gradients and sums over the batch, optionally in microbatches.
+
+  Args:
+    model: provides loss_fn and loss_normalizer.
+    params: parameter tree.
+    batch: [batch, ...] arrays.
+    dropout_rng: base key; microbatch i uses fold_in(key, i).
+    num_microbatches: None or 1 for one pass; otherwise must divide the batch.
+
+  Returns:
+    (gradients, loss, sums), equal to the one-pass values up to float
+    reassociation.
+  """
+  normalizer = model.loss_normalizer(batch)
+  grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+
+  if not num_microbatches or num_microbatches == 1:
+    (loss, sums), grads = grad_fn(params, batch, dropout_rng, normalizer)
+    return grads, loss, sums
+
+  def body(i, carry):
+    grads, loss, sums = carry
+    micro = _microbatch(batch, i, num_microbatches)
+    (m_loss, m_sums), m_grads = grad_fn(params, micro, jax.random.fold_in(dropout_rng, i),
+                                        normalizer)
+    add = lambda a, b: a + b
+    return (jax.tree.map(add, grads, m_grads), loss + m_loss, jax.tree.map(add, sums, m_sums))
+
+  first = _microbatch(batch, 0, num_microbatches)
+  sums_shape = jax.eval_shape(lambda: model.loss_fn(params, first, dropout_rng, normalizer)[1])
+  zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+  return jax.lax.fori_loop(0, num_microbatches, body, zeros)
+
+
+def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
+  """Per-step metrics from the loss and the model's sums."""
+  metrics = {"loss": loss}
+  if "cross_ent_sum" in sums:
+    metrics["cross_ent_loss"] = sums["cross_ent_sum"] / normalizer
+  if "z_loss_sum" in sums:
+    metrics["z_loss"] = sums["z_loss_sum"] / normalizer
+  if "correct_sum" in sums and "weight_sum" in sums:
+    metrics["accuracy"] = sums["correct_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
+  for name, value in sums.items():
+    if "/" in name:  # namespaced extras from the model, e.g. experts/..., pass through
+      metrics[name] = value
+  return metrics
+
+
+def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: int,
+               num_microbatches: int | None) -> tuple[TrainState, Metrics]:
+  """One optimizer update; pure, so the partitioner can jit and donate it."""
+  # Keys come from the step number, so a resumed run draws the same dropout.
+  rng = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  grads, loss, sums = accumulate_gradients(model, state.params, batch, rng, num_microbatches)
+  new_state = state.apply_gradients(grads)
+  metrics = summarize(loss, sums, model.loss_normalizer(batch))
+  metrics["learning_rate"] = optimizers.learning_rate_from_state(new_state.opt_state)
+  metrics["num_tokens"] = sums.get("weight_sum", jnp.zeros((), jnp.float32))
+  metrics["num_examples"] = sums.get("num_examples", jnp.zeros((), jnp.float32))
+  return new_state, metrics
+
+
+def eval_step(params: Any, batch: Batch, *, model: Model) -> Metrics:
+  """Teacher-forced metrics without dropout."""
+  normalizer = model.loss_normalizer(batch)
+  loss, sums = model.loss_fn(params, batch, None, normalizer)
+  metrics = summarize(loss, sums, normalizer)
+  metrics["num_tokens"] = sums.get("weight_sum", jnp.zeros((), jnp.float32))
+  return metrics
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Compiles the train and eval steps for one model on one partitioner.
+
+  Args:
+    model: the model wrapper (loss_fn, loss_normalizer).
+    partitioner: gives the shardings and the mesh.
+    num_microbatches: gradient accumulation steps per update; must divide the
+      per-step batch.
+    dropout_seed: seed of the dropout keys (folded with the step).
+  """
+
+  model: Any
+  partitioner: Partitioner
+  num_microbatches: int | None = None
+  dropout_seed: int = 0
+
+  def validate(self, batch_size: int) -> None:
+    """Cheap checks before anything compiles."""
+    n = self.num_microbatches
+    if n is not None and (n <= 0 or batch_size % n):
+      raise ValueError(
+          f"num_microbatches={n} must be a positive divisor of the batch size {batch_size}.")
+    if n and n > 1 and (batch_size // n) % self.partitioner.batch_size_divisor():
+      raise ValueError(
+          f"Each microbatch ({batch_size} / {n} = {batch_size // n} examples) must split "
+          f"over the {self.partitioner.batch_size_divisor()} data-parallel devices; "
+          "use fewer microbatches or a larger batch.")
+
+  def compile_train_step(self, state_shardings: Any, batch_shardings: Any) -> Any:
+    """Returns `step(state, batch) -> (state, metrics)`, jitted with donated state."""
+    def step(state, batch):
+      return train_step(state, batch, model=self.model, dropout_seed=self.dropout_seed,
+                        num_microbatches=self.num_microbatches)
+    return self.partitioner.partition(step, in_shardings=(state_shardings, batch_shardings),
+                                      out_shardings=(state_shardings, None),
+                                      donate_argnums=(0,))
+
+  def compile_eval_step(self, params_shardings: Any, batch_shardings: Any) -> Any:
+    """Returns `step(params, batch) -> metrics`, jitted."""
+    def step(params, batch):
+      return eval_step(params, batch, model=self.model)
+    return self.partitioner.partition(step, in_shardings=(params_shardings, batch_shardings),
+                                      out_shardings=None)

@@ -1,0 +1,85 @@
+"""Optimizer-state shardings are derived from the parameters' logical axes."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from t5lite import optimizers
+from t5lite.train_state import TrainState, state_logical_axes
+
+PARAMS = {"dense": {"kernel": jnp.zeros((256, 384))},   # factored by adafactor
+          "scale": jnp.zeros((384,)),
+          "tall": {"kernel": jnp.zeros((512, 130))}}    # larger dim first
+AXES = {"dense": {"kernel": P("embed", "mlp")}, "scale": P("embed"),
+        "tall": {"kernel": P("vocab", "embed")}}
+
+
+def _axes(tx):
+  state = jax.eval_shape(lambda: TrainState.create(PARAMS, tx))
+  return state_logical_axes(state, AXES)
+
+
+def _leaves_with_shapes(tree, axes):
+  shapes = jax.tree.leaves(jax.eval_shape(lambda: tree))
+  specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, P))
+  assert len(shapes) == len(specs)
+  return list(zip([s.shape for s in shapes], specs))
+
+
+def test_adamw_moments_copy_param_axes():
+  tx = optimizers.adamw(1e-3)
+  axes = _axes(tx)
+  state = TrainState.create(PARAMS, tx)
+  pairs = _leaves_with_shapes(state.opt_state, axes.opt_state)
+  assert (((256, 384), P("embed", "mlp")) in pairs)
+  assert (((512, 130), P("vocab", "embed")) in pairs)
+  assert (((384,), P("embed")) in pairs)
+  # Every leaf either mirrors a parameter or is a replicated scalar.
+  for shape, spec in pairs:
+    assert len(spec) in (0, len(shape))
+
+
+def test_adafactor_factored_statistics_drop_the_reduced_axis():
+  tx = optimizers.adafactor(1e-2)
+  axes = _axes(tx)
+  state = TrainState.create(PARAMS, tx)
+  pairs = _leaves_with_shapes(state.opt_state, axes.opt_state)
+  # [256, 384] kernel: rows keep 'embed' (256), columns keep 'mlp' (384).
+  assert ((256,), P("embed")) in pairs
+  assert ((384,), P("mlp")) in pairs
+  # [512, 130] kernel: largest dim first, rows keep 'embed' (130), cols 'vocab'.
+  assert ((130,), P("embed")) in pairs
+  assert ((512,), P("vocab")) in pairs
+  assert axes.step == P()
+
+
+def test_learning_rate_is_read_from_state():
+  schedule = optimizers.rsqrt_with_warmup(1.0, warmup_steps=4)
+  tx = optimizers.adafactor(schedule)
+  state = TrainState.create(PARAMS, tx)
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  for _ in range(6):
+    state = state.apply_gradients(grads)
+  # The sixth update (count 5) used 1/sqrt(5).
+  assert jnp.allclose(optimizers.learning_rate_from_state(state.opt_state), 5 ** -0.5)
+  assert int(state.step) == 6
+
+
+def test_adamw_clips_by_global_norm():
+  tx = optimizers.adamw(0.1, clip_norm=1.0, weight_decay=0.0)
+  params = {"w": jnp.zeros((3,))}
+  state = TrainState.create(params, tx)
+  big = state.apply_gradients({"w": jnp.array([300.0, 400.0, 0.0])})
+  small = TrainState.create(params, tx).apply_gradients({"w": jnp.array([0.6, 0.8, 0.0])})
+  # Clipping makes the huge gradient identical to its unit-norm direction.
+  assert jnp.allclose(big.params["w"], small.params["w"])
+
+
+def test_schedules():
+  cos = optimizers.warmup_cosine(1.0, warmup_steps=10, decay_steps=110, alpha=0.1, begin_value=0.0)
+  assert jnp.isclose(cos(0), 0.0) and jnp.isclose(cos(10), 1.0) and jnp.isclose(cos(110), 0.1)
+  assert jnp.isclose(cos(5), 0.5)
+  assert jnp.isclose(cos(60), 0.55, atol=1e-6)  # halfway through the cosine
+  rs = optimizers.rsqrt_with_warmup(2.0, warmup_steps=100)
+  assert jnp.isclose(rs(1), 0.2) and jnp.isclose(rs(400), 0.1)
