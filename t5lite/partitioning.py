@@ -264,6 +264,7 @@ class Partitioner:
         return jitted(*args, **kwargs)
 
     call.lower = lambda *a, **k: _lower_in(self, jitted, *a, **k)  # type: ignore[attr-defined]
+    call.jitted = jitted  # type: ignore[attr-defined]
     return call
 
 

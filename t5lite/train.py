@@ -164,7 +164,7 @@ class StateSpecs:
   shardings: TrainState
 
 
-def _input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
+def model_input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
   # Only the element spec is read; nothing is iterated.
   ds = datasets.get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS, num_epochs=1)
   spec = ds.element_spec
@@ -414,7 +414,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
   if periods.gc:
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
 
-  specs, init_fn = state_specs(model, partitioner, *_input_shapes(model, train_cfg))
+  specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,

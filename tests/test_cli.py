@@ -1,0 +1,133 @@
+"""The real console script end to end, and gin flag precedence."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import gin
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from t5lite import cli
+
+BIN = os.path.dirname(sys.executable)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--gin_file=gin/pretrain_dense.gin", "--gin_file=gin/testing/local_tiny.gin"]
+
+
+def run_cli(args, cwd, script="t5lite-train", timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def scalars(logdir, tag):
+  acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
+  acc.Reload()
+  if tag in acc.Tags().get("scalars", []):
+    return {e.step: e.value for e in acc.Scalars(tag)}
+  from tensorflow.python.framework import tensor_util  # clu writes tensor summaries
+  return {e.step: float(tensor_util.MakeNdarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+
+
+# ---------------------------------------------------------------------------
+# Gin precedence, in-process
+
+
+@pytest.fixture
+def clean_gin():
+  gin.clear_config(clear_constants=True)
+  yield
+  gin.clear_config(clear_constants=True)
+
+
+def _write(path, text):
+  path.write_text(text)
+  return str(path)
+
+
+def test_gin_precedence_files_then_bindings_then_shorthand(tmp_path, clean_gin):
+  header = "from __gin__ import dynamic_registration\nfrom t5lite import checkpoints\n"
+  a = _write(tmp_path / "a.gin", header + "checkpoints.SaveCheckpointConfig.period = 1\n"
+             "checkpoints.SaveCheckpointConfig.keep = 1\n")
+  b = _write(tmp_path / "b.gin", header + "checkpoints.SaveCheckpointConfig.period = 2\n")
+  argv = cli.rewrite_gin_args(["prog", "--gin.checkpoints.SaveCheckpointConfig.keep=7"])
+  assert argv[1] == "--gin_bindings=checkpoints.SaveCheckpointConfig.keep = 7"
+  bindings = ["checkpoints.SaveCheckpointConfig.period = 3",
+              argv[1].split("=", 1)[1]]
+  cli.parse_gin([a, b], bindings[:1], [str(tmp_path)])
+  from t5lite import checkpoints
+  cfg = gin.get_configurable(checkpoints.SaveCheckpointConfig)()
+  assert cfg.period == 3 and cfg.keep == 1   # binding beats both files
+  gin.clear_config(clear_constants=True)
+  cli.parse_gin([a, b], [], [str(tmp_path)])
+  assert gin.get_configurable(checkpoints.SaveCheckpointConfig)().period == 2  # later file wins
+  gin.clear_config(clear_constants=True)
+  cli.parse_gin([a, b], bindings, [str(tmp_path)])
+  assert gin.get_configurable(checkpoints.SaveCheckpointConfig)().keep == 7  # --gin. is a binding
+
+
+def test_gin_file_resolves_from_package_root_anywhere(tmp_path, clean_gin):
+  paths = cli.gin_search_paths([])
+  assert os.path.exists(os.path.join(cli.package_gin_root(), "gin", "pretrain_dense.gin"))
+  with pytest.raises(ValueError, match="Gin file 'gin/nope.gin' not found"):
+    cli.parse_gin(["gin/nope.gin"], [], paths)
+
+
+# ---------------------------------------------------------------------------
+# End to end
+
+
+def test_train_writes_outputs_then_resumes(tmp_path):
+  model_dir = tmp_path / "run"
+  first = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
+  assert first.returncode == 0, first.stderr[-4000:]
+  # Outputs a user opens.
+  config = (model_dir / "config.gin").read_text()
+  assert "train_lib.train" in config and "TRAIN_STEPS = 4" in config
+  info = (model_dir / "model-info.txt").read_text()
+  assert "Total number of parameters" in info and "logical" in info and "partition" in info
+  assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4"]
+  losses = scalars(str(model_dir / "train"), "loss")
+  assert sorted(losses) == [2, 4] and all(v > 0 for v in losses.values())
+  assert "timing/steps_per_second" in str(first.stdout) or losses
+  eval_dirs = glob.glob(str(model_dir / "training_eval" / "*"))
+  assert eval_dirs and scalars(eval_dirs[0], "loss")
+  assert "step 4/4" in first.stdout
+
+  # Same command with more steps resumes from step 4 instead of starting over.
+  second = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                   cwd=str(tmp_path))
+  assert second.returncode == 0, second.stderr[-4000:]
+  assert "Restoring step 4" in second.stdout
+  assert "step 6/6" in second.stdout and "step 2/" not in second.stdout
+  assert "6" in os.listdir(model_dir / "checkpoints")
+
+  # relative_steps trains N more from the restored step; equal total trains nothing.
+  third = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                  cwd=str(tmp_path))
+  assert third.returncode == 0 and "nothing to train" in third.stdout
+  fourth = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                    "--gin.train_lib.train.relative_steps=2"], cwd=str(tmp_path))
+  assert fourth.returncode == 0, fourth.stderr[-4000:]
+  assert "step 8/8" in fourth.stdout
+  assert "8" in os.listdir(model_dir / "checkpoints")
+
+
+def test_bad_periods_exit_2_and_write_nothing(tmp_path):
+  model_dir = tmp_path / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=3"],
+                cwd=str(tmp_path))
+  assert out.returncode == 2
+  last = out.stderr.strip().splitlines()[-1]
+  assert "is not a multiple of" in last and "eval_period=3" in last
+  assert not model_dir.exists()
+
+
+def test_unknown_task_is_one_line(tmp_path):
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_span_corruptoin'"], cwd=str(tmp_path))
+  assert out.returncode == 2
+  last = out.stderr.strip().splitlines()[-1]
+  assert "t5lite_span_corruptoin" in last and "t5lite_span_corruption" in last

@@ -1,0 +1,96 @@
+"""Trainer: microbatching equals the full batch; the step's metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5lite import optimizers, partitioning, testing, trainer
+from t5lite.train_state import TrainState
+
+B, LI, LT = 8, 12, 7
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  targets = rng.integers(3, 300, size=(B, LT)).astype(np.int32)
+  weights = (rng.random((B, LT)) > 0.2).astype(np.float32)
+  targets = targets * (weights > 0)  # padding is token 0 with weight 0
+  return {
+      "encoder_input_tokens": rng.integers(1, 300, size=(B, LI)).astype(np.int32),
+      "decoder_target_tokens": targets,
+      "decoder_input_tokens": np.concatenate([np.zeros((B, 1), np.int32), targets[:, :-1]], 1),
+      "decoder_loss_weights": weights,
+  }
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+  model = testing.tiny_encoder_decoder()
+  shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
+  import flax.linen as nn
+  params = nn.unbox(model.get_initial_variables(jax.random.key(0), shapes)["params"])
+  return model, params
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 4])
+def test_microbatches_equal_full_batch(model_and_params, num_microbatches):
+  model, params = model_and_params
+  batch = jax.tree.map(jnp.asarray, _batch())
+  rng = jax.random.key(1)
+  full_g, full_loss, full_sums = trainer.accumulate_gradients(model, params, batch, rng, None)
+  mb_g, mb_loss, mb_sums = trainer.accumulate_gradients(model, params, batch, rng,
+                                                        num_microbatches)
+  np.testing.assert_allclose(mb_loss, full_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(mb_g), jax.tree.leaves(full_g)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+  for k in full_sums:
+    np.testing.assert_allclose(mb_sums[k], full_sums[k], rtol=1e-5)
+  # The gradient is not trivially zero, so equality means something.
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(full_g)) > 1e-4
+
+
+def test_train_step_metrics_and_update(model_and_params):
+  model, params = model_and_params
+  tx = optimizers.adafactor(optimizers.constant(0.01))
+  state = TrainState.create(params, tx)
+  batch = jax.tree.map(jnp.asarray, _batch())
+  new_state, metrics = trainer.train_step(state, batch, model=model, dropout_seed=0,
+                                          num_microbatches=None)
+  assert int(new_state.step) == 1
+  assert set(metrics) >= {"loss", "accuracy", "z_loss", "cross_ent_loss", "learning_rate",
+                          "num_tokens"}
+  np.testing.assert_allclose(metrics["learning_rate"], 0.01, rtol=1e-6)
+  np.testing.assert_allclose(metrics["num_tokens"], _batch()["decoder_loss_weights"].sum())
+  np.testing.assert_allclose(metrics["loss"], metrics["cross_ent_loss"] + metrics["z_loss"],
+                             rtol=1e-5)
+  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new_state.params, state.params)
+  assert all(jax.tree.leaves(changed))
+
+
+def test_microbatch_validation_message():
+  t = trainer.Trainer(model=None, partitioner=partitioning.Partitioner(), num_microbatches=3)
+  with pytest.raises(ValueError, match=r"num_microbatches=3 must be a positive divisor of the "
+                                       r"batch size 8"):
+    t.validate(8)
+
+
+def test_train_step_compiles_once(model_and_params):
+  model, params = model_and_params
+  p = partitioning.Partitioner()
+  t = trainer.Trainer(model=model, partitioner=p)
+  state = TrainState.create(params, optimizers.adafactor(0.01))
+  import flax.linen as nn
+  from jax.sharding import PartitionSpec
+  from t5lite.train_state import state_logical_axes
+  shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
+  boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))
+  shardings = p.logical_to_sharding(state_logical_axes(state, nn.get_partition_spec(boxed)["params"]))
+  batch_sh = {k: p.batch_sharding(2) for k in _batch()}
+  step = t.compile_train_step(shardings, batch_sh)
+  # As in train(): the state comes out of a jitted init already placed.
+  state = jax.device_put(state, shardings)
+  for seed in range(3):
+    state, _ = step(state, jax.device_put(_batch(seed), batch_sh))
+  assert int(state.step) == 3
+  assert step.jitted._cache_size() == 1  # one compilation for three steps
