@@ -1,6 +1,21 @@
 """Installs t5lite: a gin-configured JAX training CLI for T5 and MoE models."""
 
+import os
+import shutil
+
 import setuptools
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithGin(build_py):
+  """Copies the top-level gin/ tree into the package as t5lite/_gin_root/gin,
+  so an installed t5lite resolves `--gin_file=gin/...` without a checkout."""
+
+  def run(self):
+    super().run()
+    target = os.path.join(self.build_lib, "t5lite", "_gin_root", "gin")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree("gin", target, ignore=shutil.ignore_patterns("__pycache__"))
 
 # Exact pins: these versions resolve together on Python 3.11 and are the ones
 # the test suite runs against. tensorflow is SeqIO's data engine only.
@@ -28,14 +43,9 @@ setuptools.setup(
     version="0.1.0",
     description="Train T5-family and Mixture-of-Experts models in JAX from gin files.",
     python_requires=">=3.11",
-    packages=setuptools.find_packages(include=["t5lite", "t5lite.*"]) + ["t5lite.gin"],
-    # The gin/ tree ships inside the package so `--gin_file=gin/...` resolves
-    # from any directory, not only from a source checkout.
-    package_dir={"t5lite.gin": "gin"},
-    package_data={
-        "t5lite.gin": ["*.gin", "*/*.gin", "*/*/*.gin"],
-        "t5lite.data": ["corpus/*", "vocab/*"],
-    },
+    packages=setuptools.find_packages(include=["t5lite", "t5lite.*"]),
+    package_data={"t5lite.data": ["corpus/*", "vocab/*"]},
+    cmdclass={"build_py": BuildPyWithGin},
     install_requires=INSTALL_REQUIRES,
     extras_require={"test": ["pytest==9.2.0", "pytest-xdist==3.8.0"]},
     entry_points={

@@ -53,9 +53,16 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
 
 
 def package_gin_root() -> str:
-  """Directory that contains the shipped `gin/` tree (checkout or install)."""
-  import importlib.resources
-  return os.path.dirname(str(importlib.resources.files("t5lite.gin")))
+  """Directory that contains the shipped `gin/` tree.
+
+  A source checkout (or editable install) has it next to the package; a
+  regular install carries a copy in t5lite/_gin_root (see setup.py).
+  """
+  package = os.path.dirname(os.path.abspath(__file__))
+  checkout = os.path.dirname(package)
+  if os.path.isfile(os.path.join(checkout, "gin", "runs", "pretrain.gin")):
+    return checkout
+  return os.path.join(package, "_gin_root")
 
 
 def gin_search_paths(extra: Sequence[str]) -> list[str]:
@@ -79,7 +86,16 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   for path in search_paths:
     gin.add_config_file_search_path(path)
   resolved = [_resolve_file(f, search_paths) for f in files]
-  gin.parse_config_files_and_bindings(resolved, bindings, finalize_config=True)
+  # Gin logs an error for every search path an include is not under before it
+  # finds the right one; those misses are expected, real failures raise.
+  import logging
+  root = logging.getLogger()
+  level = root.level
+  root.setLevel(logging.CRITICAL)
+  try:
+    gin.parse_config_files_and_bindings(resolved, bindings, finalize_config=True)
+  finally:
+    root.setLevel(level)
 
 
 def write_operative_config(model_dir: str) -> None:
@@ -140,10 +156,20 @@ def _train_entry() -> Callable[..., object]:
   return functools.partial(configured, summarize_config_fn=write_operative_config)
 
 
+def _quiet_libraries(argv: Sequence[str]) -> None:
+  # Orbax and TensorFlow log every file they touch at INFO; the progress lines
+  # are what a person reads. --verbosity=0 brings the library logs back.
+  if not any(a.startswith(("--verbosity", "-v=")) for a in argv):
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
 def _main(entry: Callable[[], Callable[..., object]]) -> None:
   argv = rewrite_gin_args(sys.argv)
 
   def main(unused_argv: Sequence[str]) -> None:
+    _quiet_libraries(argv)
     if len(unused_argv) > 1:
       print(f"t5lite: unexpected arguments {unused_argv[1:]}; flags look like "
             "--gin_file=... or --gin.NAME=VALUE.", file=sys.stderr)

@@ -93,6 +93,8 @@ class Progress:
 
 
 def log_line(text: str) -> None:
-  """Console output: absl logging on every process (INFO level)."""
-  logging.info("%s", text)
-  print(text, flush=True)
+  """Console output: printed by process 0, logged by the others."""
+  if jax.process_index() == 0:
+    print(text, flush=True)
+  else:
+    logging.info("%s", text)

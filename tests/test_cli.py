@@ -37,9 +37,9 @@ def scalars(logdir, tag):
 
 @pytest.fixture
 def clean_gin():
-  gin.clear_config(clear_constants=True)
+  gin.config.clear_config(clear_constants=True)
   yield
-  gin.clear_config(clear_constants=True)
+  gin.config.clear_config(clear_constants=True)
 
 
 def _write(path, text):
@@ -60,10 +60,10 @@ def test_gin_precedence_files_then_bindings_then_shorthand(tmp_path, clean_gin):
   from t5lite import checkpoints
   cfg = gin.get_configurable(checkpoints.SaveCheckpointConfig)()
   assert cfg.period == 3 and cfg.keep == 1   # binding beats both files
-  gin.clear_config(clear_constants=True)
+  gin.config.clear_config(clear_constants=True)
   cli.parse_gin([a, b], [], [str(tmp_path)])
   assert gin.get_configurable(checkpoints.SaveCheckpointConfig)().period == 2  # later file wins
-  gin.clear_config(clear_constants=True)
+  gin.config.clear_config(clear_constants=True)
   cli.parse_gin([a, b], bindings, [str(tmp_path)])
   assert gin.get_configurable(checkpoints.SaveCheckpointConfig)().keep == 7  # --gin. is a binding
 
