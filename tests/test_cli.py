@@ -112,7 +112,8 @@ def test_train_writes_outputs_then_resumes(tmp_path):
                     "--gin.train_lib.train.relative_steps=2"], cwd=str(tmp_path))
   assert fourth.returncode == 0, fourth.stderr[-4000:]
   assert "step 8/8" in fourth.stdout
-  assert "8" in os.listdir(model_dir / "checkpoints")
+  # CHECKPOINTS_TO_KEEP = 3 (pretrain_dense.gin): step 2 was pruned from disk.
+  assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["4", "6", "8"]
 
 
 def test_bad_periods_exit_2_and_write_nothing(tmp_path):
@@ -131,3 +132,35 @@ def test_unknown_task_is_one_line(tmp_path):
   assert out.returncode == 2
   last = out.stderr.strip().splitlines()[-1]
   assert "t5lite_span_corruptoin" in last and "t5lite_span_corruption" in last
+
+
+def test_decoder_only_lm_trains(tmp_path):
+  model_dir = tmp_path / "lm"
+  out = run_cli(["--gin_file=gin/models/decoder_only_tiny.gin", "--gin_file=gin/runs/pretrain.gin",
+                 "--gin_file=gin/testing/local_tiny.gin", f"--gin.MODEL_DIR='{model_dir}'",
+                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_lm'",
+                 "--gin.TASK_FEATURE_LENGTHS={'targets': 32}"], cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "DecoderOnlyModel" in (model_dir / "config.gin").read_text()
+  assert sorted(scalars(str(model_dir / "train"), "loss")) == [2, 4]
+
+
+USER_TASKS = """
+import seqio
+from t5lite import testing
+
+testing.register_in_memory_task(
+    "my_copy_task",
+    [{"inputs": f"copy {i}", "targets": f"{i}"} for i in range(64)])
+"""
+
+
+def test_user_task_from_user_module(tmp_path):
+  (tmp_path / "my_tasks.py").write_text(USER_TASKS)
+  model_dir = tmp_path / "user"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                 "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'",
+                 "--gin.MIXTURE_OR_TASK_NAME='my_copy_task'",
+                 "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "my_copy_task" in os.listdir(model_dir / "training_eval")

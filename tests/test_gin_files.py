@@ -1,0 +1,65 @@
+"""Every gin file shipped parses, and the run files declare their macros first."""
+
+import glob
+import os
+
+import gin
+import pytest
+
+from t5lite import cli
+
+ROOT = cli.package_gin_root()
+FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "gin", "**", "*.gin"),
+                                                           recursive=True))
+# Overlays and run files only make sense on top of a model/headline file.
+BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
+            "gin/runs/pretrain.gin": ["gin/models/t5_tiny.gin"],
+            "gin/runs/eval.gin": ["gin/models/t5_tiny.gin"]}
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  gin.config.clear_config(clear_constants=True)
+  yield
+  gin.config.clear_config(clear_constants=True)
+
+
+def test_found_the_shipped_files():
+  assert "gin/pretrain_dense.gin" in FILES and len(FILES) >= 9
+
+
+# Values a user gives on the command line for the run files' required macros.
+USER_MACROS = ["MODEL_DIR = '/tmp/x'", "CHECKPOINT_PATH = '/tmp/x'", "EVAL_OUTPUT_DIR = '/tmp/x'",
+               "MIXTURE_OR_TASK_NAME = 't5lite_span_corruption'", "BATCH_SIZE = 2",
+               "TASK_FEATURE_LENGTHS = {'inputs': 8, 'targets': 8}", "TRAIN_STEPS = 1"]
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_gin_file_parses(name):
+  cli.parse_gin(BASE_FOR.get(name, []) + [name], USER_MACROS, cli.gin_search_paths([]))
+  assert gin.config_str()  # something was bound
+
+
+@pytest.mark.parametrize("name", [f for f in FILES if f.startswith("gin/runs/")])
+def test_run_files_start_with_required_macros(name):
+  text = open(os.path.join(ROOT, name)).read()
+  body = [l for l in text.splitlines() if l and not l.startswith(("#", "from ", "import "))]
+  assert body and body[0].endswith("%gin.REQUIRED"), body[:3]
+  required = [l for l in body if l.endswith("%gin.REQUIRED")]
+  assert body[:len(required)] == required  # all of them before anything else
+
+
+def test_headline_builds_its_objects():
+  cli.parse_gin(["gin/pretrain_dense.gin", "gin/testing/local_tiny.gin"],
+                ["MODEL_DIR = '/nonexistent'"], cli.gin_search_paths([]))
+  # A run file's required macro left unset fails at parse time, naming it.
+  gin.config.clear_config(clear_constants=True)
+  with pytest.raises(ValueError, match="MODEL_DIR.*gin.REQUIRED"):
+    cli.parse_gin(["gin/pretrain_dense.gin"], [], cli.gin_search_paths([]))
+  gin.config.clear_config(clear_constants=True)
+  cli.parse_gin(["gin/pretrain_dense.gin", "gin/testing/local_tiny.gin"],
+                ["MODEL_DIR = '/nonexistent'"], cli.gin_search_paths([]))
+  from t5lite.models import models
+  model = gin.query_parameter("%MODEL").scoped_configurable_fn()
+  assert isinstance(model, models.EncoderDecoderModel)
+  assert model.module.config.emb_dim == 8 and model.module.config.vocab_size == 384
