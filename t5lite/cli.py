@@ -111,6 +111,13 @@ def _hide_gpus_from_tensorflow() -> None:
   tf.config.set_visible_devices([], "GPU")
 
 
+def _allow_user_modules_from_cwd() -> None:
+  # A console script's sys.path does not include the working directory, yet
+  # that is where users keep the module named by MIXTURE_OR_TASK_MODULE.
+  if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
+
+
 def _configure_data_dirs() -> None:
   import seqio
   if FLAGS.tfds_data_dir:
@@ -141,6 +148,7 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     _hide_gpus_from_tensorflow()
     distributed.initialize(_distributed_config())
     _configure_data_dirs()
+    _allow_user_modules_from_cwd()
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
     entry()()
   except (ValueError, TypeError, FileNotFoundError) as error:

@@ -1,0 +1,516 @@
+"""T5.1.1 building blocks in Flax linen, each annotated with logical axes.
+
+Every parameter is created through `nn.with_logical_partitioning`, so
+`nn.get_partition_spec(variables)` yields logical PartitionSpecs that the
+partitioner maps onto a mesh; key activations pass through
+`nn.with_logical_constraint` so the same rules shard them too. Parameters are
+always float32; the `dtype` attribute of each module selects the activation
+and compute dtype (float32 or bfloat16).
+
+Masks here are boolean arrays `[batch, 1, q_length, kv_length]` where True
+means "may attend"; attention turns them into an additive bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5lite import axis_names as ax
+
+Array = jax.Array
+DType = Any
+
+# Large but finite: -inf would turn fully masked rows (padding queries) into
+# NaNs, and this value still underflows to exactly 0 after softmax.
+_NEG_INF = -1e10
+
+
+def _normalize_axes(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+  """Returns non-negative axis indices for `axes` of an `ndim`-rank array."""
+  if isinstance(axes, int):
+    axes = (axes,)
+  return tuple(a % ndim for a in axes)
+
+
+def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+  return (x,) if isinstance(x, int) else tuple(x)
+
+
+class DenseGeneral(nn.Module):
+  """A bias-free linear map over one or more input axes with named kernel axes.
+
+  The kernel has shape `in_dims + features` and logical axes `kernel_axes`.
+  Its initializer is fan-in variance scaling where fan-in is the product of
+  all contracted dims, so a `[embed, heads, kv]` kernel is scaled like a
+  `[embed, heads * kv]` matrix.
+
+  Attributes:
+    features: output dims appended in place of the contracted axes.
+    kernel_axes: logical axis names of the kernel, one per kernel dim.
+    axis: input axes to contract.
+    dtype: compute dtype of the inputs and kernel.
+    init_scale: variance-scaling scale (1.0 is LeCun init).
+    init_distribution: 'truncated_normal', 'normal' or 'uniform'.
+  """
+
+  features: int | Sequence[int]
+  kernel_axes: tuple[str, ...]
+  axis: int | Sequence[int] = -1
+  dtype: DType = jnp.float32
+  init_scale: float = 1.0
+  init_distribution: str = "truncated_normal"
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    """Applies the kernel.
+
+    Args:
+      inputs: array whose `axis` dims are contracted.
+
+    Returns:
+      Array of shape `inputs` minus `axis` dims plus `features`, in `dtype`.
+    """
+    features = _as_tuple(self.features)
+    axis = _normalize_axes(self.axis, inputs.ndim)
+    in_dims = tuple(inputs.shape[a] for a in axis)
+    kernel_shape = in_dims + features
+    if len(self.kernel_axes) != len(kernel_shape):
+      raise ValueError(
+          f"kernel_axes {self.kernel_axes} name {len(self.kernel_axes)} dims "
+          f"but the kernel has shape {kernel_shape}; give one name per dim.")
+    init = nn.initializers.variance_scaling(
+        self.init_scale, "fan_in", self.init_distribution,
+        in_axis=tuple(range(len(in_dims))),
+        out_axis=tuple(range(len(in_dims), len(kernel_shape))))
+    kernel = self.param(
+        "kernel", nn.with_logical_partitioning(init, self.kernel_axes),
+        kernel_shape, jnp.float32)
+    kernel = jnp.asarray(kernel, self.dtype)
+    inputs = jnp.asarray(inputs, self.dtype)
+    contract = (axis, tuple(range(len(in_dims))))
+    # [..., *in_dims] x [*in_dims, *features] -> [..., *features]
+    return jax.lax.dot_general(inputs, kernel, (contract, ((), ())))
+
+
+class RMSNorm(nn.Module):
+  """T5.1.1 layer norm: scale only, no mean subtraction and no bias.
+
+  Statistics are computed in float32 even under bfloat16 compute because the
+  mean of squares loses too much precision otherwise.
+
+  Attributes:
+    epsilon: added to the mean square before the reciprocal square root.
+    dtype: output dtype.
+  """
+
+  epsilon: float = 1e-6
+  dtype: DType = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """Normalizes the last axis.
+
+    Args:
+      x: `[..., embed]`.
+
+    Returns:
+      `[..., embed]` in `dtype`.
+    """
+    scale = self.param(
+        "scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
+        (x.shape[-1],), jnp.float32)
+    x = jnp.asarray(x, jnp.float32)
+    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(mean_square + self.epsilon)
+    return jnp.asarray(y * scale, self.dtype)
+
+
+class Embed(nn.Module):
+  """Token embedding table `[vocab, embed]`, also usable as tied output layer.
+
+  Attributes:
+    num_embeddings: vocabulary size.
+    features: embedding width.
+    dtype: dtype of looked-up embeddings and of `attend` compute.
+  """
+
+  num_embeddings: int
+  features: int
+  dtype: DType = jnp.float32
+
+  def setup(self):
+    # stddev 1.0 as in T5: the tied logits are rescaled by 1/sqrt(embed)
+    # instead of shrinking the table.
+    self.embedding = self.param(
+        "embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                     (ax.VOCAB, ax.EMBED)),
+        (self.num_embeddings, self.features), jnp.float32)
+
+  def __call__(self, tokens: Array) -> Array:
+    """Looks up token ids.
+
+    Args:
+      tokens: integer ids `[batch, length]`.
+
+    Returns:
+      `[batch, length, embed]` in `dtype`.
+    """
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise TypeError(f"Embed expects integer token ids, got dtype {tokens.dtype}.")
+    embedded = jnp.take(jnp.asarray(self.embedding, self.dtype), tokens, axis=0)
+    return nn.with_logical_constraint(embedded, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+  def attend(self, query: Array) -> Array:
+    """Scores `query` against every embedding row (tied output logits).
+
+    Args:
+      query: `[batch, length, embed]`.
+
+    Returns:
+      Unscaled logits `[batch, length, vocab]` in `dtype`.
+    """
+    embedding = jnp.asarray(self.embedding, self.dtype)
+    query = jnp.asarray(query, self.dtype)
+    # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
+    return jnp.einsum("ble,ve->blv", query, embedding)
+
+
+def relative_position_bucket(relative_position: Array | np.ndarray,
+                             bidirectional: bool = True,
+                             num_buckets: int = 32,
+                             max_distance: int = 128) -> Array:
+  """Maps `key_position - query_position` to T5 relative-attention buckets.
+
+  Half the buckets (per direction when bidirectional) hold exact small
+  distances; the rest cover distances up to `max_distance` logarithmically,
+  and everything further shares the last bucket. Unidirectional (decoder)
+  buckets send every future position to bucket 0, which the causal mask hides.
+
+  Args:
+    relative_position: integer array of `key_position - query_position`.
+    bidirectional: whether keys after the query get their own buckets.
+    num_buckets: total number of buckets.
+    max_distance: distance from which all positions share the last bucket.
+
+  Returns:
+    int32 array of bucket ids in `[0, num_buckets)`, same shape as the input.
+  """
+  n = -jnp.asarray(relative_position, jnp.int32)
+  bucket = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # The epsilon keeps log() finite at n == 0; such positions take the
+  # `is_small` branch anyway.
+  log_ratio = jnp.log(n.astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
+  large = max_exact + (log_ratio / math.log(max_distance / max_exact)
+                       * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return bucket + jnp.where(is_small, n, large)
+
+
+class RelativePositionBiases(nn.Module):
+  """Learned per-head attention bias indexed by relative-position bucket.
+
+  Attributes:
+    num_buckets: number of relative-position buckets.
+    max_distance: see `relative_position_bucket`.
+    num_heads: attention heads.
+    dtype: output dtype.
+  """
+
+  num_buckets: int
+  max_distance: int
+  num_heads: int
+  dtype: DType = jnp.float32
+
+  @nn.compact
+  def __call__(self, q_length: int, k_length: int, bidirectional: bool = True,
+               q_offset: int | Array = 0) -> Array:
+    """Builds the bias for a `q_length` x `k_length` attention.
+
+    Args:
+      q_length: number of query positions.
+      k_length: number of key positions.
+      bidirectional: whether keys after the query have their own buckets.
+      q_offset: position of the first query; lets a cached decoder ask for
+        the bias of a single step without recomputing the full square.
+
+    Returns:
+      `[1, heads, q_length, k_length]` additive bias.
+    """
+    rel_embedding = self.param(
+        "rel_embedding",
+        nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+                                     (ax.HEADS, ax.RELPOS_BUCKETS)),
+        (self.num_heads, self.num_buckets), jnp.float32)
+    q_pos = jnp.arange(q_length, dtype=jnp.int32)[:, None] + q_offset
+    k_pos = jnp.arange(k_length, dtype=jnp.int32)[None, :]
+    buckets = relative_position_bucket(k_pos - q_pos, bidirectional,
+                                       self.num_buckets, self.max_distance)
+    # Gather via one-hot matmul: a gather over a sharded heads axis partitions
+    # badly, a contraction does not.
+    one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=self.dtype)
+    # [heads, buckets] x [q_length, k_length, buckets] -> [heads, q_length, k_length]
+    values = jnp.einsum("hb,qkb->hqk", jnp.asarray(rel_embedding, self.dtype), one_hot)
+    return values[None]  # [1, heads, q_length, k_length]
+
+
+class MultiHeadDotProductAttention(nn.Module):
+  """T5 multi-head attention: separate bias-free q/k/v/out kernels.
+
+  The 1/sqrt(head_dim) logit scaling of standard attention is folded into
+  the query kernel's initializer (variance 1/(embed * head_dim)) rather than
+  applied at run time, as in the original T5: pretrained T5 checkpoints
+  assume no run-time scaling, and so does this module.
+
+  Attributes:
+    num_heads: attention heads.
+    head_dim: per-head width (d_kv).
+    dtype: compute dtype.
+    dropout_rate: dropout on the attention weights.
+    float32_logits: compute logits and softmax in float32 under bf16 compute.
+  """
+
+  num_heads: int
+  head_dim: int
+  dtype: DType = jnp.float32
+  dropout_rate: float = 0.0
+  float32_logits: bool = True
+
+  def _project(self, name: str, x: Array, init_scale: float = 1.0) -> Array:
+    """Projects `[batch, length, embed]` to `[batch, length, heads, kv]`."""
+    y = DenseGeneral(features=(self.num_heads, self.head_dim),
+                     kernel_axes=(ax.EMBED, ax.HEADS, ax.KV), dtype=self.dtype,
+                     init_scale=init_scale, init_distribution="normal", name=name)(x)
+    return nn.with_logical_constraint(y, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV))
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None,
+               bias: Array | None = None, deterministic: bool = True) -> Array:
+    """Attends from `inputs_q` to `inputs_kv`.
+
+    Args:
+      inputs_q: `[batch, q_length, embed]`.
+      inputs_kv: `[batch, kv_length, embed]`.
+      mask: boolean `[batch, 1 or heads, q_length, kv_length]`; True attends.
+      bias: additive `[batch or 1, heads, q_length, kv_length]`, e.g.
+        relative-position biases.
+      deterministic: disables dropout.
+
+    Returns:
+      `[batch, q_length, embed]` in `dtype`.
+    """
+    query = self._project("query", inputs_q, init_scale=1.0 / self.head_dim)
+    key = self._project("key", inputs_kv)
+    value = self._project("value", inputs_kv)
+    # A cached decoder would append `key`/`value` to its cache here and
+    # attend over the cache instead; everything below is cache-agnostic.
+    weights = attention_weights(query, key, combine_biases(mask, bias),
+                                float32_logits=self.float32_logits)
+    weights = nn.Dropout(rate=self.dropout_rate)(weights, deterministic=deterministic)
+    weights = jnp.asarray(weights, self.dtype)
+    # [batch, heads, q_length, kv_length] x [batch, kv_length, heads, kv]
+    #   -> [batch, q_length, heads, kv]
+    x = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    x = nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV))
+    out = DenseGeneral(features=inputs_q.shape[-1], axis=(-2, -1),
+                       kernel_axes=(ax.HEADS, ax.KV, ax.EMBED), dtype=self.dtype,
+                       init_distribution="normal", name="out")(x)
+    return nn.with_logical_constraint(out, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+
+def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
+  """Turns a boolean mask into an additive bias and adds `bias` to it.
+
+  Args:
+    mask: boolean `[batch, 1 or heads, q_length, kv_length]` or None.
+    bias: additive bias broadcastable to the same shape, or None.
+
+  Returns:
+    The summed additive bias, or None when both inputs are None.
+  """
+  if mask is None:
+    return bias
+  mask_bias = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
+  return mask_bias if bias is None else mask_bias + bias
+
+
+def attention_weights(query: Array, key: Array, bias: Array | None = None,
+                      float32_logits: bool = True) -> Array:
+  """Softmax attention weights without any run-time logit scaling.
+
+  Args:
+    query: `[batch, q_length, heads, kv]`.
+    key: `[batch, kv_length, heads, kv]`.
+    bias: additive, broadcastable to `[batch, heads, q_length, kv_length]`.
+    float32_logits: compute logits and softmax in float32.
+
+  Returns:
+    `[batch, heads, q_length, kv_length]` weights, float32 if
+    `float32_logits` else in the query dtype.
+  """
+  if float32_logits:
+    query = query.astype(jnp.float32)
+    key = key.astype(jnp.float32)
+  # [batch, q_length, heads, kv] x [batch, kv_length, heads, kv]
+  #   -> [batch, heads, q_length, kv_length]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+  if bias is not None:
+    logits = logits + bias.astype(logits.dtype)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+class MlpBlock(nn.Module):
+  """T5.1.1 gated-GELU feed-forward: wo(gelu(wi_0 x) * wi_1 x).
+
+  Attributes:
+    mlp_dim: hidden width.
+    dtype: compute dtype.
+    dropout_rate: dropout on the hidden activations.
+  """
+
+  mlp_dim: int
+  dtype: DType = jnp.float32
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+    """Applies the block.
+
+    Args:
+      x: `[batch, length, embed]`.
+      deterministic: disables dropout.
+
+    Returns:
+      `[batch, length, embed]` in `dtype`.
+    """
+    def dense_in(name):
+      return DenseGeneral(self.mlp_dim, kernel_axes=(ax.EMBED, ax.MLP),
+                          dtype=self.dtype, name=name)(x)  # [batch, length, mlp]
+
+    # Tanh-approximate GELU is what T5.1.1 was trained with.
+    hidden = nn.gelu(dense_in("wi_0"), approximate=True) * dense_in("wi_1")
+    hidden = nn.with_logical_constraint(hidden, (ax.BATCH, ax.LENGTH, ax.MLP))
+    hidden = nn.Dropout(rate=self.dropout_rate)(hidden, deterministic=deterministic)
+    out = DenseGeneral(x.shape[-1], kernel_axes=(ax.MLP, ax.EMBED),
+                       dtype=self.dtype, name="wo")(hidden)
+    return nn.with_logical_constraint(out, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+
+# ----------------------------------------------------------------------------
+# Masks: boolean [batch, 1, q_length, kv_length], True where attention is allowed.
+# ----------------------------------------------------------------------------
+
+
+def pairwise_mask(query_input: Array, key_input: Array,
+                  pairwise_fn: Callable[[Array, Array], Array] = jnp.logical_and) -> Array:
+  """Combines per-position query and key values into a mask.
+
+  Args:
+    query_input: `[batch, q_length]`.
+    key_input: `[batch, kv_length]`.
+    pairwise_fn: elementwise function of (query value, key value).
+
+  Returns:
+    Boolean `[batch, 1, q_length, kv_length]`.
+  """
+  mask = pairwise_fn(query_input[:, :, None], key_input[:, None, :])
+  return mask[:, None].astype(jnp.bool_)  # [batch, 1, q_length, kv_length]
+
+
+def padding_mask(query_tokens: Array, key_tokens: Array) -> Array:
+  """Allows attention only between non-padding (id > 0) positions.
+
+  Args:
+    query_tokens: `[batch, q_length]` token ids, 0 is padding.
+    key_tokens: `[batch, kv_length]` token ids, 0 is padding.
+
+  Returns:
+    Boolean `[batch, 1, q_length, kv_length]`.
+  """
+  return pairwise_mask(query_tokens > 0, key_tokens > 0)
+
+
+def causal_mask(length: int) -> Array:
+  """Allows each position to attend to itself and earlier positions.
+
+  Args:
+    length: sequence length.
+
+  Returns:
+    Boolean `[1, 1, length, length]`.
+  """
+  idx = jnp.arange(length)
+  return (idx[None, :] <= idx[:, None])[None, None]
+
+
+def segment_mask(query_segment_ids: Array, key_segment_ids: Array) -> Array:
+  """Keeps packed examples apart: attend only within the same segment id.
+
+  Args:
+    query_segment_ids: `[batch, q_length]`.
+    key_segment_ids: `[batch, kv_length]`.
+
+  Returns:
+    Boolean `[batch, 1, q_length, kv_length]`.
+  """
+  return pairwise_mask(query_segment_ids, key_segment_ids, jnp.equal)
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+  """Logical AND of the given masks, skipping Nones.
+
+  Args:
+    *masks: boolean masks broadcastable to one shape, or None.
+
+  Returns:
+    The combined mask, or None when every input is None.
+  """
+  present = [m for m in masks if m is not None]
+  if not present:
+    return None
+  mask = present[0]
+  for m in present[1:]:
+    mask = jnp.logical_and(mask, m)
+  return mask
+
+
+def decoder_self_mask(decoder_target_tokens: Array,
+                      decoder_segment_ids: Array | None = None,
+                      decoder_causal_attention: Array | None = None) -> Array:
+  """Self-attention mask of a decoder: causal, padding, packing, prefix-LM.
+
+  Padding is read from the targets because the shifted decoder inputs start
+  with id 0 (BOS) at every segment start.
+
+  Args:
+    decoder_target_tokens: `[batch, length]` target ids, 0 is padding.
+    decoder_segment_ids: `[batch, length]` packing segment ids, or None.
+    decoder_causal_attention: `[batch, length]`, 1 on prefix (inputs)
+      positions, which then attend to each other bidirectionally; or None.
+
+  Returns:
+    Boolean `[batch, 1, length, length]`.
+  """
+  length = decoder_target_tokens.shape[-1]
+  causal = causal_mask(length)
+  if decoder_causal_attention is not None:
+    prefix = pairwise_mask(decoder_causal_attention > 0, decoder_causal_attention > 0)
+    causal = jnp.logical_or(causal, prefix)
+  seg = None if decoder_segment_ids is None else segment_mask(
+      decoder_segment_ids, decoder_segment_ids)
+  return combine_masks(causal, padding_mask(decoder_target_tokens, decoder_target_tokens), seg)

@@ -1,0 +1,304 @@
+"""Model API: a network plus vocabularies, feature converter and loss.
+
+A model wraps a Flax network with what the trainer needs: initial variables
+(boxed with logical axes), a loss whose statistics are plain sums so that
+microbatches add up, and teacher-forced logits. The optimizer is held here,
+not used here, so one gin binding on the model configures training.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import seqio
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+Params = Any
+
+
+def token_loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0,
+                    label_smoothing: float = 0.0) -> dict[str, Array]:
+  """Weighted sums of the per-token loss terms of a batch, in float32.
+
+  Cross-entropy uses T5X-style label smoothing: the target gets
+  `1 - label_smoothing` and the rest is spread over the other ids, and the
+  entropy of that soft target is subtracted so a perfect prediction scores 0.
+
+  Args:
+    logits: `[batch, length, vocab]`.
+    targets: `[batch, length]` integer ids.
+    weights: `[batch, length]` loss weights (0 drops a token).
+    z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
+    label_smoothing: probability mass moved off the target id.
+
+  Returns:
+    float32 scalars: `cross_ent_sum`, `z_loss_sum`, `correct_sum`,
+    `weight_sum`, `num_examples` (examples with any nonzero weight).
+  """
+  logits = logits.astype(jnp.float32)
+  weights = weights.astype(jnp.float32)
+  vocab_size = logits.shape[-1]
+  confidence = 1.0 - label_smoothing
+  low_confidence = label_smoothing / (vocab_size - 1)
+  # Entropy of the soft target; the 1e-20 keeps 0 * log(0) at 0.
+  normalizing_constant = -(confidence * jnp.log(confidence + 1e-20)
+                           + (vocab_size - 1) * low_confidence
+                           * jnp.log(low_confidence + 1e-20))
+  soft_targets = jax.nn.one_hot(targets, vocab_size, dtype=jnp.float32)
+  soft_targets = soft_targets * (confidence - low_confidence) + low_confidence
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [batch, length]
+  log_probs = logits - log_z[..., None]  # [batch, length, vocab]
+  cross_ent = -jnp.sum(soft_targets * log_probs, axis=-1) - normalizing_constant
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return {
+      "cross_ent_sum": jnp.sum(weights * cross_ent),
+      "z_loss_sum": jnp.sum(weights * z_loss * jnp.square(log_z)),
+      "correct_sum": jnp.sum(weights * correct),
+      "weight_sum": jnp.sum(weights),
+      "num_examples": jnp.sum(jnp.any(weights != 0, axis=-1)).astype(jnp.float32),
+  }
+
+
+class BaseModel(abc.ABC):
+  """A network with its vocabularies, feature converter, optimizer and loss.
+
+  Attributes:
+    FEATURE_CONVERTER_CLS: seqio feature converter producing the batch keys
+      this model reads.
+    module: the Flax network.
+    input_vocabulary: vocabulary of the inputs.
+    output_vocabulary: vocabulary of the targets.
+    optimizer: optax transformation the trainer uses; never called here.
+  """
+
+  FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
+
+  def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
+               output_vocabulary: seqio.Vocabulary,
+               optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
+               label_smoothing: float = 0.0,
+               loss_normalizing_factor: float | None = None):
+    """Builds the model.
+
+    Args:
+      module: Flax network, e.g. `transformer.EncoderDecoder`.
+      input_vocabulary: vocabulary of the inputs.
+      output_vocabulary: vocabulary of the targets.
+      optimizer: optax transformation, stored for the trainer.
+      z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
+      label_smoothing: in [0, 1).
+      loss_normalizing_factor: constant divisor of the summed loss; None
+        divides by the sum of the batch's loss weights.
+
+    Raises:
+      ValueError: for a negative z_loss, a label_smoothing outside [0, 1) or
+        a non-positive loss_normalizing_factor.
+    """
+    if z_loss < 0:
+      raise ValueError(f"z_loss must be >= 0, got {z_loss}.")
+    if not 0.0 <= label_smoothing < 1.0:
+      raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
+    if loss_normalizing_factor is not None and loss_normalizing_factor <= 0:
+      raise ValueError("loss_normalizing_factor must be > 0 or None (divide by the "
+                       f"sum of loss weights), got {loss_normalizing_factor}.")
+    self.module = module
+    self.input_vocabulary = input_vocabulary
+    self.output_vocabulary = output_vocabulary
+    self.optimizer = optimizer
+    self.z_loss = z_loss
+    self.label_smoothing = label_smoothing
+    self.loss_normalizing_factor = loss_normalizing_factor
+
+  @abc.abstractmethod
+  def _module_inputs(self, batch: Batch) -> dict[str, Array]:
+    """Selects and renames the batch features the module's `__call__` takes."""
+
+  @abc.abstractmethod
+  def _dummy_batch(self, input_shapes: Mapping[str, tuple[int, ...]],
+                   input_types: Mapping[str, jnp.dtype] | None) -> dict[str, Array]:
+    """A batch of ones with the given shapes, enough to initialise the module."""
+
+  def get_initial_variables(self, rng: Array, input_shapes: Mapping[str, tuple[int, ...]],
+                            input_types: Mapping[str, jnp.dtype] | None = None) -> dict:
+    """Initialises the network's variables.
+
+    Parameters stay boxed as `nn.LogicallyPartitioned`, so callers can
+    `jax.eval_shape` this and read `nn.get_partition_spec` of the result.
+
+    Args:
+      rng: PRNG key for the parameters.
+      input_shapes: feature name -> shape, e.g. `{'encoder_input_tokens':
+        (8, 512), 'decoder_input_tokens': (8, 114)}`.
+      input_types: feature name -> dtype; int32 by default.
+
+    Returns:
+      The unchanged output of `module.init`.
+    """
+    batch = self._dummy_batch(input_shapes, input_types)
+    return self.module.init({"params": rng}, **self._module_inputs(batch),
+                            enable_dropout=False)
+
+  def loss_normalizer(self, batch: Batch) -> Array:
+    """The divisor of the summed loss for `batch`.
+
+    Args:
+      batch: features including `decoder_loss_weights` `[batch, length]`.
+
+    Returns:
+      float32 scalar: `loss_normalizing_factor` if set, else the sum of the
+      loss weights.
+    """
+    if self.loss_normalizing_factor is not None:
+      return jnp.asarray(self.loss_normalizing_factor, jnp.float32)
+    return jnp.sum(batch["decoder_loss_weights"].astype(jnp.float32))
+
+  def _logits(self, params: Params, batch: Batch, dropout_rng: Array | None) -> Array:
+    """Teacher-forced float32 logits, with dropout iff `dropout_rng` is given."""
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    logits = self.module.apply({"params": params}, **self._module_inputs(batch),
+                               enable_dropout=dropout_rng is not None, rngs=rngs)
+    return logits.astype(jnp.float32)
+
+  def loss_fn(self, params: Params, batch: Batch, dropout_rng: Array | None,
+              loss_normalizer: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """Normalized training loss and summed statistics.
+
+    loss = sum(weight * (cross_ent + z_loss * logsumexp(logits)**2))
+    / loss_normalizer. Passing the full batch's normalizer to each
+    microbatch makes the microbatch losses (and gradients) add up to the
+    full batch's.
+
+    Args:
+      params: unboxed parameter tree (what goes under 'params').
+      batch: feature-converter outputs; keys the module does not take are
+        ignored.
+      dropout_rng: PRNG key for dropout; None disables dropout.
+      loss_normalizer: divisor; None means `self.loss_normalizer(batch)`.
+        A zero normalizer (no target tokens) yields loss 0, not NaN.
+
+    Returns:
+      `(loss, sums)` where `sums` holds the float32 sums of
+      `token_loss_sums`.
+    """
+    logits = self._logits(params, batch, dropout_rng)
+    sums = token_loss_sums(logits, batch["decoder_target_tokens"],
+                           batch["decoder_loss_weights"], self.z_loss,
+                           self.label_smoothing)
+    if loss_normalizer is None:
+      loss_normalizer = self.loss_normalizer(batch)
+    loss_normalizer = jnp.asarray(loss_normalizer, jnp.float32)
+    # With no weighted tokens the numerator is 0 too; dividing by 1 keeps the
+    # loss and its gradient finite instead of 0/0.
+    safe_normalizer = jnp.where(loss_normalizer == 0, 1.0, loss_normalizer)
+    loss = (sums["cross_ent_sum"] + sums["z_loss_sum"]) / safe_normalizer
+    return loss, sums
+
+  def eval_fn(self, params: Params, batch: Batch) -> tuple[Array, dict[str, Array]]:
+    """`loss_fn` without dropout and with the batch's own normalizer."""
+    return self.loss_fn(params, batch, dropout_rng=None)
+
+  def predict_logits(self, params: Params, batch: Batch) -> Array:
+    """Teacher-forced float32 logits `[batch, length, vocab]`, no dropout."""
+    return self._logits(params, batch, dropout_rng=None)
+
+
+def _ones(shape: tuple[int, ...], name: str,
+          input_types: Mapping[str, jnp.dtype] | None) -> Array:
+  dtype = (input_types or {}).get(name, jnp.int32)
+  return jnp.ones(shape, dtype)
+
+
+def _require(input_shapes: Mapping[str, tuple[int, ...]], *names: str) -> None:
+  missing = [n for n in names if n not in input_shapes]
+  if missing:
+    raise ValueError(f"input_shapes lacks {missing}; got keys {sorted(input_shapes)}.")
+
+
+class EncoderDecoderModel(BaseModel):
+  """Encoder-decoder (T5) model fed by `seqio.EncDecFeatureConverter`."""
+
+  FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
+
+  def _module_inputs(self, batch: Batch) -> dict[str, Array]:
+    keys = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
+            "encoder_segment_ids", "decoder_segment_ids", "encoder_positions",
+            "decoder_positions")
+    return {k: batch[k] for k in keys if k in batch}
+
+  def _dummy_batch(self, input_shapes: Mapping[str, tuple[int, ...]],
+                   input_types: Mapping[str, jnp.dtype] | None) -> dict[str, Array]:
+    _require(input_shapes, "encoder_input_tokens", "decoder_input_tokens")
+    decoder_shape = input_shapes["decoder_input_tokens"]
+    return {
+        "encoder_input_tokens": _ones(input_shapes["encoder_input_tokens"],
+                                      "encoder_input_tokens", input_types),
+        "decoder_input_tokens": _ones(decoder_shape, "decoder_input_tokens", input_types),
+        "decoder_target_tokens": _ones(input_shapes.get("decoder_target_tokens", decoder_shape),
+                                       "decoder_target_tokens", input_types),
+    }
+
+
+class DecoderOnlyModel(BaseModel):
+  """Decoder-only language model, optionally prefix-LM.
+
+  With `inputs_bidirectional_attention=True` the model uses
+  `seqio.PrefixLMFeatureConverter` and passes its `decoder_causal_attention`
+  feature, so the inputs (prefix) attend to each other bidirectionally.
+  """
+
+  FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+
+  def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
+               output_vocabulary: seqio.Vocabulary,
+               optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
+               label_smoothing: float = 0.0,
+               loss_normalizing_factor: float | None = None,
+               inputs_bidirectional_attention: bool = False):
+    """Builds the model; arguments as in `BaseModel`.
+
+    Args:
+      module: Flax network, e.g. `transformer.DecoderOnly`.
+      input_vocabulary: vocabulary of the inputs.
+      output_vocabulary: vocabulary of the targets.
+      optimizer: optax transformation, stored for the trainer.
+      z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
+      label_smoothing: in [0, 1).
+      loss_normalizing_factor: constant divisor, or None for the weight sum.
+      inputs_bidirectional_attention: prefix-LM: bidirectional attention over
+        the inputs part of each example.
+    """
+    super().__init__(module, input_vocabulary, output_vocabulary, optimizer, z_loss,
+                     label_smoothing, loss_normalizing_factor)
+    self.inputs_bidirectional_attention = inputs_bidirectional_attention
+    if inputs_bidirectional_attention:
+      # Per instance: the class default stays the plain decoder converter.
+      self.FEATURE_CONVERTER_CLS = seqio.PrefixLMFeatureConverter
+
+  def _module_inputs(self, batch: Batch) -> dict[str, Array]:
+    keys = ["decoder_input_tokens", "decoder_target_tokens", "decoder_segment_ids",
+            "decoder_positions"]
+    if self.inputs_bidirectional_attention:
+      keys.append("decoder_causal_attention")
+    return {k: batch[k] for k in keys if k in batch}
+
+  def _dummy_batch(self, input_shapes: Mapping[str, tuple[int, ...]],
+                   input_types: Mapping[str, jnp.dtype] | None) -> dict[str, Array]:
+    _require(input_shapes, "decoder_input_tokens")
+    shape = input_shapes["decoder_input_tokens"]
+    batch = {
+        "decoder_input_tokens": _ones(shape, "decoder_input_tokens", input_types),
+        "decoder_target_tokens": _ones(input_shapes.get("decoder_target_tokens", shape),
+                                       "decoder_target_tokens", input_types),
+    }
+    if self.inputs_bidirectional_attention:
+      batch["decoder_causal_attention"] = _ones(shape, "decoder_causal_attention",
+                                                input_types)
+    return batch
+

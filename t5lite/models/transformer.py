@@ -1,0 +1,457 @@
+"""T5.1.1 networks: Encoder, Decoder, EncoderDecoder and DecoderOnly.
+
+Parameter tree (unscanned; `layers_{i}` becomes one `layers` subtree with a
+leading LAYERS axis when `scan_layers=True`):
+
+  token_embedder/embedding                       [vocab, embed], shared
+  encoder/relpos_bias/rel_embedding              [heads, relpos_buckets]
+  encoder/layers_{i}/pre_attention_layer_norm/scale
+  encoder/layers_{i}/attention/{query,key,value,out}/kernel
+  encoder/layers_{i}/pre_mlp_layer_norm/scale
+  encoder/layers_{i}/mlp/{wi_0,wi_1,wo}/kernel
+  encoder/encoder_norm/scale
+  decoder/relpos_bias/rel_embedding
+  decoder/layers_{i}/pre_self_attention_layer_norm, self_attention,
+      pre_cross_attention_layer_norm, encoder_decoder_attention (not in
+      DecoderOnly), pre_mlp_layer_norm, mlp
+  decoder/decoder_norm/scale
+  decoder/logits_dense/kernel                    [embed, vocab], if untied
+
+T5 uses relative position biases only, so the `*_positions` inputs of
+seqio's packed features are accepted and ignored: within a packed segment the
+difference of two indices equals the difference of their positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5lite import axis_names as ax
+from t5lite.models import layers
+
+Array = jax.Array
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Sizes and options of a T5.1.1-style transformer.
+
+  Attributes:
+    vocab_size: number of token ids (embedding rows and logits).
+    emb_dim: model width d_model.
+    num_heads: attention heads.
+    num_encoder_layers: encoder depth (unused by DecoderOnly).
+    num_decoder_layers: decoder depth.
+    head_dim: per-head width d_kv.
+    mlp_dim: gated-GELU hidden width d_ff.
+    dropout_rate: dropout after embeddings, on attention weights, in the MLP
+      and on every residual branch.
+    dtype: activation/compute dtype name; parameters are always float32.
+    logits_via_embedding: tie the output layer to the token embedding.
+    relative_attention_num_buckets: relative-position buckets.
+    relative_attention_max_distance: distance sharing the last bucket.
+    float32_attention_logits: compute attention softmax in float32.
+    scan_layers: stack layers with `nn.scan` (one compiled layer body,
+      params gain a leading LAYERS axis).
+  """
+
+  vocab_size: int
+  emb_dim: int
+  num_heads: int
+  num_encoder_layers: int
+  num_decoder_layers: int
+  head_dim: int
+  mlp_dim: int
+  dropout_rate: float = 0.1
+  dtype: str = "float32"
+  logits_via_embedding: bool = False
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  float32_attention_logits: bool = True
+  scan_layers: bool = False
+
+  def __post_init__(self):
+    positive = ("vocab_size", "emb_dim", "num_heads", "num_decoder_layers",
+                "head_dim", "mlp_dim", "relative_attention_num_buckets",
+                "relative_attention_max_distance")
+    for name in positive:
+      if getattr(self, name) < 1:
+        raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.num_encoder_layers < 0:
+      raise ValueError(
+          f"TransformerConfig.num_encoder_layers must be >= 0, got {self.num_encoder_layers}.")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(
+          f"TransformerConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}.")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
+                       f"use one of {_DTYPES}.")
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """The activation dtype as a numpy dtype."""
+    return jnp.dtype(self.dtype)
+
+
+def _dropout(cfg: TransformerConfig, x: Array, deterministic: bool) -> Array:
+  """Dropout as a child of whichever module is being called."""
+  return nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+def _attention(cfg: TransformerConfig, name: str) -> layers.MultiHeadDotProductAttention:
+  return layers.MultiHeadDotProductAttention(
+      num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.compute_dtype,
+      dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
+      name=name)
+
+
+def _mlp_residual(cfg: TransformerConfig, x: Array, deterministic: bool) -> Array:
+  """Pre-norm gated-GELU MLP with a residual connection."""
+  y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+  y = layers.MlpBlock(mlp_dim=cfg.mlp_dim, dtype=cfg.compute_dtype,
+                      dropout_rate=cfg.dropout_rate, name="mlp")(y, deterministic)
+  x = x + _dropout(cfg, y, deterministic)
+  return nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+
+class EncoderLayer(nn.Module):
+  """Pre-norm self-attention and MLP block of the encoder.
+
+  Attributes:
+    config: model sizes.
+    scanned: return `(x, None)` as `nn.scan` expects of a carry function.
+  """
+
+  config: TransformerConfig
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None, bias: Array,
+               deterministic: bool) -> Array | tuple[Array, None]:
+    """Applies the layer.
+
+    Args:
+      x: `[batch, length, embed]`.
+      mask: boolean `[batch, 1, length, length]`.
+      bias: relative-position bias `[1, heads, length, length]`.
+      deterministic: disables dropout.
+
+    Returns:
+      `[batch, length, embed]` (paired with None when scanned).
+    """
+    cfg = self.config
+    y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_attention_layer_norm")(x)
+    y = _attention(cfg, "attention")(y, y, mask, bias, deterministic)
+    x = x + _dropout(cfg, y, deterministic)
+    x = _mlp_residual(cfg, x, deterministic)
+    return (x, None) if self.scanned else x
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm causal self-attention, optional cross-attention, and MLP.
+
+  Attributes:
+    config: model sizes.
+    scanned: return `(x, None)` as `nn.scan` expects of a carry function.
+  """
+
+  config: TransformerConfig
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array, encoded: Array | None, self_mask: Array,
+               cross_mask: Array | None, bias: Array,
+               deterministic: bool) -> Array | tuple[Array, None]:
+    """Applies the layer.
+
+    Args:
+      x: `[batch, length, embed]` decoder activations.
+      encoded: `[batch, encoder_length, embed]`, or None for a decoder-only
+        network (no cross-attention sub-layer is created).
+      self_mask: boolean `[batch, 1, length, length]`.
+      cross_mask: boolean `[batch, 1, length, encoder_length]` or None.
+      bias: relative-position bias `[1, heads, length, length]`.
+      deterministic: disables dropout.
+
+    Returns:
+      `[batch, length, embed]` (paired with None when scanned).
+    """
+    cfg = self.config
+    y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
+    y = _attention(cfg, "self_attention")(y, y, self_mask, bias, deterministic)
+    x = x + _dropout(cfg, y, deterministic)
+    if encoded is not None:
+      y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_cross_attention_layer_norm")(x)
+      y = _attention(cfg, "encoder_decoder_attention")(y, encoded, cross_mask, None,
+                                                       deterministic)
+      x = x + _dropout(cfg, y, deterministic)
+    x = _mlp_residual(cfg, x, deterministic)
+    return (x, None) if self.scanned else x
+
+
+def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers: int,
+                 x: Array, *shared_args) -> Array:
+  """Applies `num_layers` layers, as a Python loop or one `nn.scan`.
+
+  Must be called inside a compact method: the layers become children of the
+  calling module, named `layers_{i}` or, scanned, `layers`.
+
+  Args:
+    layer_cls: EncoderLayer or DecoderLayer.
+    cfg: model config; `cfg.scan_layers` picks the layout.
+    num_layers: depth.
+    x: `[batch, length, embed]` input of the first layer.
+    *shared_args: the same for every layer (masks, biases, flags).
+
+  Returns:
+    `[batch, length, embed]` output of the last layer.
+  """
+  if not cfg.scan_layers:
+    for i in range(num_layers):
+      x = layer_cls(config=cfg, name=f"layers_{i}")(x, *shared_args)
+    return x
+  scanned_cls = nn.scan(
+      layer_cls,
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast,) * len(shared_args),
+      length=num_layers,
+      metadata_params={nn.PARTITION_NAME: ax.LAYERS})
+  x, _ = scanned_cls(config=cfg, scanned=True, name="layers")(x, *shared_args)
+  return x
+
+
+class Encoder(nn.Module):
+  """Embeds and encodes input tokens.
+
+  Attributes:
+    config: model sizes.
+    shared_embedding: the token Embed owned by the parent network.
+  """
+
+  config: TransformerConfig
+  shared_embedding: nn.Module
+
+  @nn.compact
+  def __call__(self, encoder_input_tokens: Array, encoder_mask: Array | None,
+               deterministic: bool) -> Array:
+    """Encodes tokens.
+
+    Args:
+      encoder_input_tokens: `[batch, length]` ids.
+      encoder_mask: boolean `[batch, 1, length, length]`.
+      deterministic: disables dropout.
+
+    Returns:
+      `[batch, length, embed]` in the compute dtype.
+    """
+    cfg = self.config
+    length = encoder_input_tokens.shape[-1]
+    x = self.shared_embedding(encoder_input_tokens).astype(cfg.compute_dtype)
+    x = _dropout(cfg, x, deterministic)
+    # One bias table for all layers, computed once, as in T5.
+    bias = layers.RelativePositionBiases(
+        num_buckets=cfg.relative_attention_num_buckets,
+        max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
+        dtype=cfg.compute_dtype, name="relpos_bias")(length, length, bidirectional=True)
+    x = _layer_stack(EncoderLayer, cfg, cfg.num_encoder_layers, x, encoder_mask, bias,
+                     deterministic)
+    x = layers.RMSNorm(dtype=cfg.compute_dtype, name="encoder_norm")(x)
+    return _dropout(cfg, x, deterministic)
+
+
+class Decoder(nn.Module):
+  """Embeds decoder inputs, runs the decoder stack, and returns logits.
+
+  Attributes:
+    config: model sizes.
+    shared_embedding: the token Embed owned by the parent network.
+  """
+
+  config: TransformerConfig
+  shared_embedding: nn.Module
+
+  @nn.compact
+  def __call__(self, encoded: Array | None, decoder_input_tokens: Array,
+               self_mask: Array, cross_mask: Array | None,
+               deterministic: bool) -> Array:
+    """Decodes with teacher forcing.
+
+    Args:
+      encoded: `[batch, encoder_length, embed]`, or None for decoder-only.
+      decoder_input_tokens: `[batch, length]` ids.
+      self_mask: boolean `[batch, 1, length, length]`.
+      cross_mask: boolean `[batch, 1, length, encoder_length]` or None.
+      deterministic: disables dropout.
+
+    Returns:
+      float32 logits `[batch, length, vocab]`.
+    """
+    cfg = self.config
+    length = decoder_input_tokens.shape[-1]
+    x = self.shared_embedding(decoder_input_tokens).astype(cfg.compute_dtype)
+    x = _dropout(cfg, x, deterministic)
+    bias = layers.RelativePositionBiases(
+        num_buckets=cfg.relative_attention_num_buckets,
+        max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
+        dtype=cfg.compute_dtype, name="relpos_bias")(length, length, bidirectional=False)
+    x = _layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, x, encoded, self_mask,
+                     cross_mask, bias, deterministic)
+    x = layers.RMSNorm(dtype=cfg.compute_dtype, name="decoder_norm")(x)
+    x = _dropout(cfg, x, deterministic)
+    return self._logits(x)
+
+  def _logits(self, x: Array) -> Array:
+    """Projects `[batch, length, embed]` to float32 `[batch, length, vocab]`."""
+    cfg = self.config
+    if cfg.logits_via_embedding:
+      # The table is initialised with stddev 1, so tied logits are rescaled
+      # to keep their scale independent of the width, as in T5.
+      logits = self.shared_embedding.attend(x) / math.sqrt(cfg.emb_dim)
+    else:
+      logits = layers.DenseGeneral(cfg.vocab_size, kernel_axes=(ax.EMBED, ax.VOCAB),
+                                   dtype=cfg.compute_dtype, name="logits_dense")(x)
+    logits = logits.astype(jnp.float32)
+    return nn.with_logical_constraint(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
+
+
+def _embedder(cfg: TransformerConfig) -> layers.Embed:
+  return layers.Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
+                      dtype=cfg.compute_dtype, name="token_embedder")
+
+
+class EncoderDecoder(nn.Module):
+  """T5 encoder-decoder network.
+
+  `encode` and `decode` are separately applicable (`method=`), which is the
+  seam for cached autoregressive decoding.
+
+  Attributes:
+    config: model sizes.
+  """
+
+  config: TransformerConfig
+
+  def setup(self):
+    self.token_embedder = _embedder(self.config)
+    self.encoder = Encoder(self.config, self.token_embedder)
+    self.decoder = Decoder(self.config, self.token_embedder)
+
+  def encode(self, encoder_input_tokens: Array, encoder_segment_ids: Array | None = None,
+             encoder_positions: Array | None = None, enable_dropout: bool = True) -> Array:
+    """Encodes inputs.
+
+    Args:
+      encoder_input_tokens: `[batch, encoder_length]` ids, 0 is padding.
+      encoder_segment_ids: `[batch, encoder_length]` packing ids, or None.
+      encoder_positions: ignored (relative positions only).
+      enable_dropout: apply dropout (needs a 'dropout' rng).
+
+    Returns:
+      `[batch, encoder_length, embed]`.
+    """
+    del encoder_positions
+    mask = layers.padding_mask(encoder_input_tokens, encoder_input_tokens)
+    if encoder_segment_ids is not None:
+      mask = layers.combine_masks(
+          mask, layers.segment_mask(encoder_segment_ids, encoder_segment_ids))
+    return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
+
+  def decode(self, encoded: Array, encoder_input_tokens: Array,
+             decoder_input_tokens: Array, decoder_target_tokens: Array,
+             encoder_segment_ids: Array | None = None,
+             decoder_segment_ids: Array | None = None,
+             decoder_positions: Array | None = None,
+             enable_dropout: bool = True) -> Array:
+    """Decodes with teacher forcing given the encoder output.
+
+    Args:
+      encoded: `[batch, encoder_length, embed]` from `encode`.
+      encoder_input_tokens: `[batch, encoder_length]`, for the padding mask.
+      decoder_input_tokens: `[batch, length]` shifted targets.
+      decoder_target_tokens: `[batch, length]`, for the padding mask.
+      encoder_segment_ids: packing ids of the inputs, or None.
+      decoder_segment_ids: packing ids of the targets, or None.
+      decoder_positions: ignored (relative positions only).
+      enable_dropout: apply dropout (needs a 'dropout' rng).
+
+    Returns:
+      float32 logits `[batch, length, vocab]`.
+
+    Raises:
+      ValueError: if only one of the two segment-id arrays is given.
+    """
+    del decoder_positions
+    if (encoder_segment_ids is None) != (decoder_segment_ids is None):
+      raise ValueError("Packed inputs need both encoder_segment_ids and "
+                       "decoder_segment_ids, or neither; got only one.")
+    self_mask = layers.decoder_self_mask(decoder_target_tokens, decoder_segment_ids)
+    cross_mask = layers.padding_mask(decoder_target_tokens, encoder_input_tokens)
+    if encoder_segment_ids is not None:
+      cross_mask = layers.combine_masks(
+          cross_mask, layers.segment_mask(decoder_segment_ids, encoder_segment_ids))
+    return self.decoder(encoded, decoder_input_tokens, self_mask, cross_mask,
+                        deterministic=not enable_dropout)
+
+  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
+               decoder_target_tokens: Array, encoder_segment_ids: Array | None = None,
+               decoder_segment_ids: Array | None = None,
+               encoder_positions: Array | None = None,
+               decoder_positions: Array | None = None,
+               enable_dropout: bool = True) -> Array:
+    """Teacher-forced logits; arguments as in `encode` and `decode`.
+
+    Returns:
+      float32 logits `[batch, target_length, vocab]`.
+    """
+    encoded = self.encode(encoder_input_tokens, encoder_segment_ids, encoder_positions,
+                          enable_dropout)
+    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
+                       decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
+                       decoder_positions, enable_dropout)
+
+
+class DecoderOnly(nn.Module):
+  """Decoder-only language model, optionally prefix-LM.
+
+  Attributes:
+    config: model sizes (`num_encoder_layers` is unused).
+  """
+
+  config: TransformerConfig
+
+  def setup(self):
+    self.token_embedder = _embedder(self.config)
+    self.decoder = Decoder(self.config, self.token_embedder)
+
+  def __call__(self, decoder_input_tokens: Array, decoder_target_tokens: Array,
+               decoder_segment_ids: Array | None = None,
+               decoder_positions: Array | None = None,
+               decoder_causal_attention: Array | None = None,
+               enable_dropout: bool = True) -> Array:
+    """Teacher-forced logits.
+
+    Args:
+      decoder_input_tokens: `[batch, length]` shifted targets.
+      decoder_target_tokens: `[batch, length]`, 0 is padding.
+      decoder_segment_ids: `[batch, length]` packing ids, or None.
+      decoder_positions: ignored (relative positions only).
+      decoder_causal_attention: `[batch, length]`, 1 on prefix positions,
+        which attend to each other bidirectionally (seqio PrefixLM feature).
+      enable_dropout: apply dropout (needs a 'dropout' rng).
+
+    Returns:
+      float32 logits `[batch, length, vocab]`.
+    """
+    del decoder_positions
+    mask = layers.decoder_self_mask(decoder_target_tokens, decoder_segment_ids,
+                                    decoder_causal_attention)
+    return self.decoder(None, decoder_input_tokens, mask, None,
+                        deterministic=not enable_dropout)

@@ -1,0 +1,236 @@
+"""Unit tests of the T5.1.1 building blocks in t5lite.models.layers."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5lite import axis_names as ax
+from t5lite.models import layers
+
+# Different size on every axis so that a swapped axis fails loudly.
+BATCH, Q_LEN, KV_LEN, EMBED, HEADS, HEAD_DIM, MLP = 2, 5, 7, 8, 4, 3, 16
+
+
+def _init(module, *args, **kwargs):
+  return module.init(jax.random.key(0), *args, **kwargs)
+
+
+def _spec(variables, *path):
+  spec = nn.get_partition_spec(variables)["params"]
+  for p in path:
+    spec = spec[p]
+  return tuple(spec)
+
+
+def _normal(seed, shape):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.parametrize("rel, bidirectional, expected", [
+    # 32 buckets, max_distance 128: bidirectional uses 16 per direction,
+    # 8 exact, then log-spaced: 8 + int(log(n/8) / log(16) * 8).
+    (0, True, 0),
+    (-1, True, 1),      # key one step before the query
+    (1, True, 17),      # key one step after: second half of the buckets
+    (-7, True, 7),
+    (-8, True, 8),      # 8 + int(log(1) ...) = 8
+    (-20, True, 10),    # 8 + int(log(2.5)/log(16)*8 = 2.64)
+    (20, True, 26),
+    (-127, True, 15),   # 8 + int(7.98)
+    (-5000, True, 15),  # clipped to the last bucket
+    # Unidirectional: 16 exact, then 16 + int(log(n/16) / log(8) * 16).
+    (5, False, 0),      # future keys all share bucket 0
+    (-15, False, 15),
+    (-20, False, 17),   # 16 + int(1.72)
+    (-100, False, 30),  # 16 + int(log(6.25)/log(8)*16 = 14.1)
+    (-128, False, 31),
+])
+def test_relative_position_bucket_hand_values(rel, bidirectional, expected):
+  bucket = layers.relative_position_bucket(np.array([rel]), bidirectional, 32, 128)
+  assert int(bucket[0]) == expected
+
+
+def test_relative_position_biases_gather_per_head():
+  module = layers.RelativePositionBiases(num_buckets=10, max_distance=20, num_heads=HEADS)
+  variables = _init(module, Q_LEN, KV_LEN)
+  assert _spec(variables, "rel_embedding") == (ax.HEADS, ax.RELPOS_BUCKETS)
+  table = nn.unbox(variables)["params"]["rel_embedding"]  # [heads, buckets]
+  bias = module.apply(variables, Q_LEN, KV_LEN, bidirectional=True)
+  assert bias.shape == (1, HEADS, Q_LEN, KV_LEN)
+  rel = np.arange(KV_LEN)[None, :] - np.arange(Q_LEN)[:, None]
+  buckets = np.asarray(layers.relative_position_bucket(rel, True, 10, 20))
+  np.testing.assert_allclose(bias[0], np.asarray(table)[:, buckets], rtol=1e-6)
+
+
+def test_dense_general_contracts_and_names_axes():
+  module = layers.DenseGeneral(features=(HEADS, HEAD_DIM), kernel_axes=(ax.EMBED, ax.HEADS, ax.KV))
+  x = _normal(1, (BATCH, Q_LEN, EMBED))
+  variables = _init(module, x)
+  kernel = nn.unbox(variables)["params"]["kernel"]
+  assert kernel.shape == (EMBED, HEADS, HEAD_DIM)
+  assert _spec(variables, "kernel") == (ax.EMBED, ax.HEADS, ax.KV)
+  y = module.apply(variables, x)
+  np.testing.assert_allclose(y, np.einsum("ble,ehd->blhd", x, kernel), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_general_contracts_multiple_axes():
+  module = layers.DenseGeneral(features=EMBED, axis=(-2, -1),
+                               kernel_axes=(ax.HEADS, ax.KV, ax.EMBED))
+  x = _normal(2, (BATCH, Q_LEN, HEADS, HEAD_DIM))
+  variables = _init(module, x)
+  kernel = nn.unbox(variables)["params"]["kernel"]
+  y = module.apply(variables, x)
+  np.testing.assert_allclose(y, np.einsum("blhd,hde->ble", x, kernel), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_general_rejects_wrong_number_of_axis_names():
+  module = layers.DenseGeneral(features=MLP, kernel_axes=(ax.EMBED,))
+  with pytest.raises(ValueError, match="one name per dim"):
+    _init(module, jnp.ones((BATCH, EMBED)))
+
+
+def test_rms_norm_matches_numpy_and_keeps_dtype():
+  x = _normal(3, (BATCH, Q_LEN, EMBED))
+  module = layers.RMSNorm(dtype=jnp.bfloat16)
+  variables = _init(module, x)
+  assert _spec(variables, "scale") == (ax.EMBED,)
+  scale = np.linspace(0.5, 2.0, EMBED).astype(np.float32)
+  y = module.apply({"params": {"scale": scale}}, x)
+  assert y.dtype == jnp.bfloat16
+  xn = np.asarray(x, np.float64)
+  expected = xn / np.sqrt(np.mean(xn**2, axis=-1, keepdims=True) + 1e-6) * scale
+  np.testing.assert_allclose(np.asarray(y, np.float32), expected, rtol=1e-2)
+
+
+def test_embed_lookup_and_attend():
+  vocab = 32
+  module = layers.Embed(num_embeddings=vocab, features=EMBED)
+  tokens = jnp.array([[0, 3, 31], [7, 7, 1]])
+  variables = _init(module, tokens)
+  assert _spec(variables, "embedding") == (ax.VOCAB, ax.EMBED)
+  table = np.asarray(nn.unbox(variables)["params"]["embedding"])
+  np.testing.assert_array_equal(module.apply(variables, tokens), table[np.asarray(tokens)])
+  query = _normal(4, (BATCH, Q_LEN, EMBED))
+  logits = module.apply(variables, query, method=module.attend)
+  assert logits.shape == (BATCH, Q_LEN, vocab)
+  np.testing.assert_allclose(logits, np.einsum("ble,ve->blv", query, table), rtol=1e-5,
+                             atol=1e-5)
+
+
+def _attention_module(**kwargs):
+  return layers.MultiHeadDotProductAttention(num_heads=HEADS, head_dim=HEAD_DIM, **kwargs)
+
+
+def test_attention_axes_and_numpy_reference():
+  module = _attention_module()
+  q_in = _normal(5, (BATCH, Q_LEN, EMBED))
+  kv_in = _normal(6, (BATCH, KV_LEN, EMBED))
+  mask = jax.random.bernoulli(jax.random.key(7), 0.7, (BATCH, 1, Q_LEN, KV_LEN))
+  mask = mask.at[..., 0].set(True)  # every query keeps one key
+  bias = _normal(8, (1, HEADS, Q_LEN, KV_LEN))
+  variables = _init(module, q_in, kv_in, mask, bias)
+  for name in ("query", "key", "value"):
+    assert _spec(variables, name, "kernel") == (ax.EMBED, ax.HEADS, ax.KV)
+  assert _spec(variables, "out", "kernel") == (ax.HEADS, ax.KV, ax.EMBED)
+  p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
+  q = np.einsum("bqe,ehd->bqhd", q_in, p["query"]["kernel"])
+  k = np.einsum("bke,ehd->bkhd", kv_in, p["key"]["kernel"])
+  v = np.einsum("bke,ehd->bkhd", kv_in, p["value"]["kernel"])
+  # No run-time 1/sqrt(head_dim): it is folded into the query init.
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) + bias + np.where(mask, 0, -1e10)
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  expected = np.einsum("bhqk,bkhd,hde->bqe", w, v, p["out"]["kernel"])
+  y = module.apply(variables, q_in, kv_in, mask, bias)
+  np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_ignores_masked_keys():
+  module = _attention_module()
+  q_in = _normal(9, (BATCH, Q_LEN, EMBED))
+  kv_in = _normal(10, (BATCH, KV_LEN, EMBED))
+  mask = jnp.ones((BATCH, 1, Q_LEN, KV_LEN), bool).at[..., -2:].set(False)
+  variables = _init(module, q_in, kv_in, mask)
+  y = module.apply(variables, q_in, kv_in, mask)
+  y_changed = module.apply(variables, q_in, kv_in.at[:, -2:].set(100.0), mask)
+  np.testing.assert_array_equal(y, y_changed)
+
+
+def test_query_init_folds_in_one_over_sqrt_head_dim():
+  embed, heads, head_dim = 128, 4, 64
+  module = layers.MultiHeadDotProductAttention(num_heads=heads, head_dim=head_dim)
+  x = jnp.ones((1, 1, embed))
+  p = nn.unbox(_init(module, x, x))["params"]
+  key_std = float(np.std(p["key"]["kernel"]))
+  query_std = float(np.std(p["query"]["kernel"]))
+  np.testing.assert_allclose(key_std, 1 / np.sqrt(embed), rtol=0.05)
+  np.testing.assert_allclose(query_std, 1 / np.sqrt(embed * head_dim), rtol=0.05)
+
+
+def test_attention_dropout_needs_rng_only_when_enabled():
+  module = _attention_module(dropout_rate=0.5)
+  x = _normal(11, (BATCH, Q_LEN, EMBED))
+  variables = _init(module, x, x)
+  a = module.apply(variables, x, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  b = module.apply(variables, x, x, deterministic=True)
+  assert not np.allclose(a, b)
+
+
+def test_mlp_is_gated_gelu():
+  module = layers.MlpBlock(mlp_dim=MLP)
+  x = _normal(12, (BATCH, Q_LEN, EMBED))
+  variables = _init(module, x)
+  assert _spec(variables, "wi_0", "kernel") == (ax.EMBED, ax.MLP)
+  assert _spec(variables, "wi_1", "kernel") == (ax.EMBED, ax.MLP)
+  assert _spec(variables, "wo", "kernel") == (ax.MLP, ax.EMBED)
+  p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
+  h0 = np.einsum("ble,em->blm", x, p["wi_0"]["kernel"])
+  h1 = np.einsum("ble,em->blm", x, p["wi_1"]["kernel"])
+  gelu = 0.5 * h0 * (1 + np.tanh(np.sqrt(2 / np.pi) * (h0 + 0.044715 * h0**3)))
+  expected = np.einsum("blm,me->ble", gelu * h1, p["wo"]["kernel"])
+  np.testing.assert_allclose(module.apply(variables, x), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_masks():
+  np.testing.assert_array_equal(layers.causal_mask(3)[0, 0],
+                                [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+  pad = layers.padding_mask(jnp.array([[5, 0]]), jnp.array([[3, 4, 0]]))
+  assert pad.shape == (1, 1, 2, 3)
+  np.testing.assert_array_equal(pad[0, 0], [[1, 1, 0], [0, 0, 0]])
+  seg = layers.segment_mask(jnp.array([[1, 1, 2]]), jnp.array([[1, 2, 2]]))
+  np.testing.assert_array_equal(seg[0, 0], [[1, 0, 0], [1, 0, 0], [0, 1, 1]])
+  assert layers.combine_masks(None, None) is None
+
+
+def test_decoder_self_mask_prefix_lm_packing_and_padding():
+  targets = jnp.array([[4, 5, 6, 7, 8, 9, 0]])
+  segments = jnp.array([[1, 1, 1, 1, 2, 2, 0]])
+  prefix = jnp.array([[1, 1, 0, 0, 1, 0, 0]])
+  mask = layers.decoder_self_mask(targets, segments, prefix)
+  expected = [
+      [1, 1, 0, 0, 0, 0, 0],  # prefix position attends to the later prefix position
+      [1, 1, 0, 0, 0, 0, 0],
+      [1, 1, 1, 0, 0, 0, 0],  # targets stay causal
+      [1, 1, 1, 1, 0, 0, 0],
+      [0, 0, 0, 0, 1, 0, 0],  # second packed example sees only itself
+      [0, 0, 0, 0, 1, 1, 0],
+      [0, 0, 0, 0, 0, 0, 0],  # padding
+  ]
+  assert mask.shape == (1, 1, 7, 7)
+  np.testing.assert_array_equal(mask[0, 0], expected)
+
+
+def test_activation_constraints_reach_the_jaxpr_under_a_mesh():
+  # Without a mesh, with_logical_constraint is a silent no-op; make sure the
+  # layers really emit constraints once a mesh and rules are set.
+  module = layers.MlpBlock(mlp_dim=MLP)
+  x = jnp.ones((BATCH, Q_LEN, EMBED))
+  variables = nn.unbox(_init(module, x))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh), nn.logical_axis_rules([(ax.BATCH, "data")]):
+    jaxpr = jax.make_jaxpr(module.apply)(variables, x)
+  constraints = [e for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"]
+  assert len(constraints) >= 2
