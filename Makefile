@@ -28,7 +28,7 @@ bench: install
 	$(BIN)/python benchmarks/run.py
 
 lint: install
-	$(BIN)/python -m compileall -q t5lite tests benchmarks
+	$(BIN)/ruff check t5lite tests benchmarks
 	$(BIN)/python -m pytest -q tests/test_gin_files.py
 
 clean:

@@ -47,7 +47,7 @@ setuptools.setup(
     package_data={"t5lite.data": ["corpus/*", "vocab/*"]},
     cmdclass={"build_py": BuildPyWithGin},
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest==9.2.0", "pytest-xdist==3.8.0"]},
+    extras_require={"test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "ruff==0.17.5"]},
     entry_points={
         "console_scripts": [
             "t5lite-train=t5lite.cli:train_main",

@@ -403,55 +403,70 @@ def train(*,
               summarize_config_fn=summarize_config_fn)
 
 
+def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None
+                       ) -> None:
+  os.makedirs(model_dir, exist_ok=True)
+  if jax.process_index() == 0 and summarize_config_fn is not None:
+    summarize_config_fn(model_dir)
+
+
+def _build_loop(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, specs,
+                checkpointer, model_dir, start, end, eval_steps) -> _Loop:
+  """Data from `start`, the compiled step, the evaluator and the writers."""
+  data = build_train_data(model, train_cfg, partitioner, skip_batches=start)
+  first = next(data)
+  step_fn = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in first.items()})
+  evaluator = None
+  if eval_cfg is not None and periods.eval:
+    evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
+                               trainer=trainer, params_shardings=specs.shardings.params,
+                               eval_steps=eval_steps, model_dir=model_dir)
+  writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
+  return _Loop(step_fn=step_fn, data=_prepend(first, data), checkpointer=checkpointer,
+               writer=writer, progress=metrics_lib.Progress(end, start), periods=periods,
+               evaluator=evaluator, total_steps=end)
+
+
+def _close(loop: _Loop) -> None:
+  """Waits for pending checkpoint writes and flushes every writer."""
+  loop.checkpointer.wait_until_finished()
+  loop.checkpointer.close()
+  loop.writer.close()
+  if loop.evaluator:
+    loop.evaluator.close()
+
+
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
          summarize_config_fn) -> tuple[int, TrainState]:
-  """The phases after validation: set up model_dir, state, data, then the loop."""
-  primary = jax.process_index() == 0
-  os.makedirs(model_dir, exist_ok=True)
-  if primary and summarize_config_fn is not None:
-    summarize_config_fn(model_dir)
-  if periods.gc:
-    gc.disable()  # collected every gc_period steps instead, away from the hot loop
-
+  """The phases after validation: model_dir, state, loop, then the epochs."""
+  _prepare_model_dir(model_dir, summarize_config_fn)
   specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
                                  seed=seed)
   end = start + relative_steps if relative_steps is not None else total_steps
-  if primary:
+  if jax.process_index() == 0:
     write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
-
   if start >= end:
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
     checkpointer.close()
     return start, state
 
-  data = build_train_data(model, train_cfg, partitioner, skip_batches=start)
-  first = next(data)
-  batch_shardings = {k: v.sharding for k, v in first.items()}
-  step_fn = trainer.compile_train_step(specs.shardings, batch_shardings)
-  evaluator = None
-  if eval_cfg is not None and periods.eval:
-    evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
-                               trainer=trainer, params_shardings=specs.shardings.params,
-                               eval_steps=eval_steps, model_dir=model_dir)
-  loop = _Loop(step_fn=step_fn, data=_prepend(first, data), checkpointer=checkpointer,
-               writer=metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), primary),
-               progress=metrics_lib.Progress(end, start), periods=periods,
-               evaluator=evaluator, total_steps=end)
+  loop = _build_loop(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
+                     train_cfg=train_cfg, eval_cfg=eval_cfg, specs=specs,
+                     checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
+                     eval_steps=eval_steps)
   metrics_lib.log_line(f"Training steps {start} -> {end} on mesh {dict(partitioner.mesh.shape)}")
+  if periods.gc:
+    gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
-    if evaluator and run_eval_before_training:
-      evaluator.evaluate(start, state.params)
+    if loop.evaluator and run_eval_before_training:
+      loop.evaluator.evaluate(start, state.params)
     state = run_epochs(loop, state, start)
   finally:
-    checkpointer.wait_until_finished()
-    checkpointer.close()
-    loop.writer.close()
-    if evaluator:
-      evaluator.close()
+    _close(loop)
     gc.enable()
   metrics_lib.log_line(f"Finished at step {end}; checkpoints in {checkpointer.directory}, "
                        f"summaries in {os.path.join(model_dir, 'train')}")

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from t5lite import optimizers

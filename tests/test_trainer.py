@@ -81,7 +81,6 @@ def test_train_step_compiles_once(model_and_params):
   t = trainer.Trainer(model=model, partitioner=p)
   state = TrainState.create(params, optimizers.adafactor(0.01))
   import flax.linen as nn
-  from jax.sharding import PartitionSpec
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
   boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))
