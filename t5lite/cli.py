@@ -23,6 +23,8 @@ flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the fi
 flags.DEFINE_list("gin_search_paths", [], "Extra directories to resolve gin files from.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data directory for tasks that read TFDS.")
 flags.DEFINE_list("seqio_additional_cache_dirs", [], "Extra directories of cached SeqIO tasks.")
+flags.DEFINE_string("mesh_selector", None,
+                    "String matched against Partitioner.mesh_rules (default: the device kind).")
 flags.DEFINE_bool("multiprocess_gpu", False,
                   "Start jax.distributed; without addresses, detect them from the cluster.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -149,6 +151,9 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     distributed.initialize(_distributed_config())
     _configure_data_dirs()
     _allow_user_modules_from_cwd()
+    if FLAGS.mesh_selector:
+      from t5lite import partitioning
+      os.environ[partitioning.MESH_SELECTOR_ENV] = FLAGS.mesh_selector
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
     entry()()
   except (ValueError, TypeError, FileNotFoundError) as error:

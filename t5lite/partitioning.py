@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +30,9 @@ MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
 BATCH_MESH_AXES = ("data", "fsdp", "expert")
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+MeshRules = Sequence[tuple[str, Mapping[str, int]]]
+# Set by `--mesh_selector`; read when a Partitioner has mesh_rules but no selector.
+MESH_SELECTOR_ENV = "T5LITE_MESH_SELECTOR"
 
 
 def standard_logical_axis_rules(
@@ -74,6 +79,42 @@ def standard_logical_axis_rules(
   rules += [(ax.EMBED, None), (ax.KV, None), (ax.LENGTH, None),
             (ax.RELPOS_BUCKETS, None), (ax.LAYERS, None)]
   return rules
+
+
+def fsdp_logical_axis_rules(additional_rules: LogicalRules | None = None
+                            ) -> list[tuple[str, str | tuple[str, ...] | None]]:
+  """Fully sharded data parallel: parameters and optimizer state over `fsdp`.
+
+  The batch splits over (`data`, `fsdp`, `expert`) as in the standard rules,
+  and every parameter's embed dimension splits over `fsdp`, so each device
+  holds 1/fsdp of the weights and gathers them layer by layer. Activations
+  keep embed whole because their batch dimension already uses `fsdp`. Wide
+  dimensions still go to `model`, so with a `model` axis this is 2-D FSDP+TP.
+
+  Args:
+    additional_rules: rules placed before the preset.
+
+  Returns:
+    Plain (logical axis, mesh axes) pairs.
+  """
+  rules = standard_logical_axis_rules(additional_rules=additional_rules)
+  # Before the catch-all (embed, None) so it wins for parameters.
+  rules.insert(rules.index((ax.EMBED, None)), (ax.EMBED, "fsdp"))
+  return rules
+
+
+def select_mesh_shape(mesh_rules: MeshRules, selector: str) -> dict[str, int]:
+  """First mesh rule whose regex matches `selector` (e.g. the device kind).
+
+  Raises:
+    ValueError: no rule matches; the message lists the patterns.
+  """
+  for pattern, shape in mesh_rules:
+    if re.search(pattern, selector):
+      return dict(shape)
+  raise ValueError(
+      f"No mesh rule matches '{selector}'; patterns are {[p for p, _ in mesh_rules]}. Add a "
+      "rule (a catch-all '.*' last) or pass --mesh_selector to pick one.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +194,19 @@ def create_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | N
 class Partitioner:
   """Owns the mesh and the logical-axis rules; turns logical axes into shardings.
 
+  The mesh shape comes from the first of `mesh_rules`, `mesh_shape` or
+  `num_partitions` that is set.
+
   Args:
     num_partitions: model-parallel size (T5X meaning): the `model` axis size,
-      with `data` taking the remaining devices. Ignored when `mesh_shape` is
-      given.
-    mesh_shape: explicit axis sizes over MESH_AXES, e.g. {'fsdp': -1}.
+      with `data` taking the remaining devices.
+    mesh_shape: explicit axis sizes over MESH_AXES, e.g. {'fsdp': -1,
+      'model': 2}; one axis may be -1 for "all remaining devices".
+    mesh_rules: ordered (regex, mesh_shape) pairs matched against
+      `mesh_selector`; the first match wins, so one gin file can serve
+      several clusters.
+    mesh_selector: string the rules are matched against; defaults to
+      $T5LITE_MESH_SELECTOR (--mesh_selector), else the device kind.
     logical_axis_rules: rules; `standard_logical_axis_rules()` by default.
     devices: devices to build the mesh from; all devices by default.
   """
@@ -165,20 +214,39 @@ class Partitioner:
   def __init__(self,
                num_partitions: int | None = None,
                mesh_shape: Mapping[str, int] | None = None,
+               mesh_rules: MeshRules | None = None,
+               mesh_selector: str | None = None,
                logical_axis_rules: LogicalRules | None = None,
                devices: Sequence[jax.Device] | None = None):
-    if mesh_shape is None:
-      mesh_shape = {"data": -1, "model": int(num_partitions or 1)}
-    self._mesh_shape = dict(mesh_shape)
+    self._num_partitions = num_partitions
+    self._mesh_shape = dict(mesh_shape) if mesh_shape is not None else None
+    self._mesh_rules = [(p, dict(s)) for p, s in (mesh_rules or [])]
+    self._mesh_selector = mesh_selector
     self._devices = devices
     self._rules = [tuple(r) for r in (logical_axis_rules or standard_logical_axis_rules())]
     self._mesh: Mesh | None = None
+
+  def _resolved_mesh_shape(self) -> dict[str, int]:
+    if self._mesh_rules:
+      devices = self._devices or jax.devices()
+      selector = (self._mesh_selector or os.environ.get(MESH_SELECTOR_ENV)
+                  or devices[0].device_kind)
+      shape = select_mesh_shape(self._mesh_rules, selector)
+    elif self._mesh_shape is not None:
+      shape = dict(self._mesh_shape)
+    else:
+      return {"data": -1, "model": int(self._num_partitions or 1)}
+    if self._num_partitions not in (None, shape.get("model", 1)):
+      raise ValueError(
+          f"num_partitions={self._num_partitions} contradicts the mesh shape {shape} "
+          f"(model={shape.get('model', 1)}); set NUM_MODEL_PARTITIONS to match or drop it.")
+    return shape
 
   @property
   def mesh(self) -> Mesh:
     """The device mesh, built on first use (after jax.distributed is up)."""
     if self._mesh is None:
-      self._mesh = create_mesh(self._mesh_shape, self._devices)
+      self._mesh = create_mesh(self._resolved_mesh_shape(), self._devices)
     return self._mesh
 
   @property

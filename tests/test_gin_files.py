@@ -14,7 +14,9 @@ FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "g
 # Overlays and run files only make sense on top of a model/headline file.
 BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
             "gin/runs/pretrain.gin": ["gin/models/t5_tiny.gin"],
-            "gin/runs/eval.gin": ["gin/models/t5_tiny.gin"]}
+            "gin/runs/eval.gin": ["gin/models/t5_tiny.gin"],
+            **{f"gin/partitioning/{n}.gin": ["gin/pretrain_dense.gin"]
+               for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")}}
 
 
 @pytest.fixture(autouse=True)

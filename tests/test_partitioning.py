@@ -77,3 +77,58 @@ def test_eight_fake_devices():
                        timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.strip().endswith("ok")
+
+
+def test_mesh_rules_first_match_wins_and_selector_env(monkeypatch):
+  rules = [("H100", {"fsdp": -1, "model": 8}), ("cpu", {"data": -1}), (".*", {"fsdp": -1})]
+  assert partitioning.select_mesh_shape(rules, "NVIDIA H100 80GB HBM3") == {"fsdp": -1, "model": 8}
+  assert partitioning.select_mesh_shape(rules, "cpu") == {"data": -1}
+  assert partitioning.select_mesh_shape(rules, "TPU v5") == {"fsdp": -1}
+  with pytest.raises(ValueError, match=r"No mesh rule matches 'TPU v5'; patterns are \['H100'\]"):
+    partitioning.select_mesh_shape(rules[:1], "TPU v5")
+  # The device kind selects by default; the selector (flag/env) overrides it.
+  p = partitioning.Partitioner(mesh_rules=[("no-such-device", {"model": 4}), (".*", {"fsdp": -1})])
+  assert dict(p.mesh.shape)["fsdp"] == len(jax.devices())
+  monkeypatch.setenv(partitioning.MESH_SELECTOR_ENV, "no-such-device")
+  p = partitioning.Partitioner(mesh_rules=[("no-such-device", {"model": 4}), (".*", {"fsdp": -1})])
+  with pytest.raises(ValueError, match=r"has 4 devices, but there are 1"):
+    p.validate()
+
+
+def test_num_partitions_must_agree_with_mesh_shape():
+  p = partitioning.Partitioner(num_partitions=2, mesh_shape={"data": -1})
+  with pytest.raises(ValueError, match=r"num_partitions=2 contradicts the mesh shape"):
+    p.validate()
+
+
+def test_fsdp_rules_shard_params_not_activations():
+  rules = partitioning.fsdp_logical_axis_rules()
+  p = partitioning.Partitioner(logical_axis_rules=rules)
+  from jax.sharding import PartitionSpec as P
+  assert p.logical_to_mesh_spec(("embed", "mlp")) == P("fsdp", "model")
+  assert p.logical_to_mesh_spec(("vocab", "embed")) == P("model", "fsdp")
+  # The batch already uses fsdp, so activations keep embed whole.
+  assert p.logical_to_mesh_spec(("batch", "length", "embed")) == P(("data", "fsdp", "expert"),
+                                                                    None, None)
+
+
+_TWO_HOSTS_MODEL_AXIS = textwrap.dedent("""
+    import jax
+    from t5lite import partitioning
+    # Pretend 8 devices belong to 2 hosts: model=8 would cross hosts.
+    class D:
+      def __init__(self, i): self.id, self.process_index, self.device_kind = i, i // 4, 'cpu'
+    devices = [D(i) for i in range(8)]
+    try:
+      partitioning.create_mesh({'data': 1, 'model': 8}, devices)
+      raise SystemExit('expected an error')
+    except ValueError as e:
+      assert 'Model-parallel size 8 must divide the 4 devices of a host' in str(e), e
+    print('ok')
+""")
+
+
+def test_model_axis_must_stay_inside_a_host():
+  out = subprocess.run([sys.executable, "-c", _TWO_HOSTS_MODEL_AXIS], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
