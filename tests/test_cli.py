@@ -164,3 +164,18 @@ def test_user_task_from_user_module(tmp_path):
                  "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-4000:]
   assert "my_copy_task" in os.listdir(model_dir / "training_eval")
+
+
+def test_partitioning_preset_on_eight_devices(tmp_path):
+  model_dir = tmp_path / "tp"
+  env_args = dict(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args)
+  out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
+                        "--gin_file=gin/partitioning/fsdp_tp.gin", f"--gin.MODEL_DIR='{model_dir}'"],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "'fsdp': 4" in out.stdout and "'model': 2" in out.stdout
+  info = (model_dir / "model-info.txt").read_text()
+  wi = next(l for l in info.splitlines() if "encoder/layers_0/mlp/wi_0/kernel" in l)
+  assert "logical ('embed', 'mlp') partition ('fsdp', 'model')" in wi
+  assert "Mesh: {'data': 1, 'fsdp': 4, 'expert': 1, 'seq': 1, 'model': 2}" in info
