@@ -90,7 +90,8 @@ class Checkpointer:
   """
 
   def __init__(self, model_dir: str, save_config: SaveCheckpointConfig | None):
-    self.directory = os.path.join(model_dir, CHECKPOINTS_SUBDIR)
+    # Orbax's array store needs absolute paths; users pass relative ones.
+    self.directory = os.path.join(os.path.abspath(model_dir), CHECKPOINTS_SUBDIR)
     self._save_config = save_config
     keep = save_config.keep if save_config else None
     self._manager = _manager(self.directory, keep=keep)
