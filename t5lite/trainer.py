@@ -28,7 +28,8 @@ class Model(Protocol):
 
   def loss_normalizer(self, batch: Batch) -> jax.Array: ...
   def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
-              loss_normalizer: jax.Array | None = None) -> tuple[jax.Array, Metrics]: ...
+              loss_normalizer: jax.Array | None = None,
+              num_microbatches: int = 1) -> tuple[jax.Array, Metrics]: ...
 
 
 def _microbatch(batch: Batch, index: jax.Array, num_microbatches: int) -> Batch:
@@ -67,12 +68,13 @@ def accumulate_gradients(model: Model, params: Any, batch: Batch, dropout_rng: j
     grads, loss, sums = carry
     micro = _microbatch(batch, i, num_microbatches)
     (m_loss, m_sums), m_grads = grad_fn(params, micro, jax.random.fold_in(dropout_rng, i),
-                                        normalizer)
+                                        normalizer, num_microbatches)
     add = lambda a, b: a + b
     return (jax.tree.map(add, grads, m_grads), loss + m_loss, jax.tree.map(add, sums, m_sums))
 
   first = _microbatch(batch, 0, num_microbatches)
-  sums_shape = jax.eval_shape(lambda: model.loss_fn(params, first, dropout_rng, normalizer)[1])
+  sums_shape = jax.eval_shape(
+      lambda: model.loss_fn(params, first, dropout_rng, normalizer, num_microbatches)[1])
   zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
   return jax.lax.fori_loop(0, num_microbatches, body, zeros)
@@ -88,7 +90,9 @@ def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
   if "correct_sum" in sums and "weight_sum" in sums:
     metrics["accuracy"] = sums["correct_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
   for name, value in sums.items():
-    if "/" in name:  # namespaced extras from the model, e.g. experts/..., pass through
+    # Namespaced extras from the model (e.g. experts/...) arrive already
+    # divided per microbatch, so their sum is the batch mean: pass through.
+    if "/" in name:
       metrics[name] = value
   return metrics
 

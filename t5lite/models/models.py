@@ -167,7 +167,8 @@ class BaseModel(abc.ABC):
     return logits.astype(jnp.float32)
 
   def loss_fn(self, params: Params, batch: Batch, dropout_rng: Array | None,
-              loss_normalizer: Array | None = None) -> tuple[Array, dict[str, Array]]:
+              loss_normalizer: Array | None = None,
+              num_microbatches: int = 1) -> tuple[Array, dict[str, Array]]:
     """Normalized training loss and summed statistics.
 
     loss = sum(weight * (cross_ent + z_loss * logsumexp(logits)**2))
@@ -182,6 +183,11 @@ class BaseModel(abc.ABC):
       dropout_rng: PRNG key for dropout; None disables dropout.
       loss_normalizer: divisor; None means `self.loss_normalizer(batch)`.
         A zero normalizer (no target tokens) yields loss 0, not NaN.
+      num_microbatches: how many microbatches the trainer splits the batch
+        into. Loss terms that are means over the batch (e.g. MoE auxiliary
+        losses) are divided by it, so the summed microbatch losses hold their
+        mean; namespaced statistics ('experts/...') follow the same rule.
+        The dense token loss does not need it.
 
     Returns:
       `(loss, sums)` where `sums` holds the float32 sums of
