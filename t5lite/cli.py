@@ -137,9 +137,10 @@ def _distributed_config():
 
 
 def one_line(error: BaseException) -> str:
-  """A user error as one line: gin's multi-line context squeezed out."""
-  text = " ".join(str(error).split())
-  return f"{type(error).__name__}: {text}"
+  """A user error as one line: whitespace squeezed, gin's call-site note dropped."""
+  text = " ".join(str(error).split()).split(" In call to configurable ")[0]
+  name = next(c.__name__ for c in type(error).__mro__ if c.__module__ != "gin.utils")
+  return f"{name}: {text}"
 
 
 def _run(entry: Callable[[], Callable[..., object]]) -> None:
@@ -159,6 +160,14 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
   except (ValueError, TypeError, FileNotFoundError) as error:
     print(f"t5lite: {one_line(error)}", file=sys.stderr, flush=True)
     sys.exit(USER_ERROR_EXIT)
+  except _training_stopped() as stop:
+    print(f"t5lite: {one_line(stop)}", file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
+
+
+def _training_stopped() -> type[Exception]:
+  from t5lite.train import TrainingStopped
+  return TrainingStopped
 
 
 def _train_entry() -> Callable[..., object]:

@@ -37,12 +37,20 @@ class SummaryWriter:
     self._writer.close()
 
 
-def mean_metrics(per_step: Sequence[Mapping[str, jax.Array]]) -> dict[str, float]:
-  """Fetches a stats period of per-step device metrics in one transfer and averages."""
-  if not per_step:
+def fetch(per_step: Sequence[Mapping[str, jax.Array]]) -> list[dict[str, float]]:
+  """Brings a stats period of per-step device metrics to the host in one transfer."""
+  return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(per_step))]
+
+
+def average(fetched: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  if not fetched:
     return {}
-  fetched = jax.device_get(list(per_step))
   return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+def mean_metrics(per_step: Sequence[Mapping[str, jax.Array]]) -> dict[str, float]:
+  """Fetches per-step device metrics in one transfer and averages them."""
+  return average(fetch(per_step))
 
 
 def format_duration(seconds: float) -> str:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -27,6 +30,40 @@ from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState, state_logical_axes
+
+
+class TrainingStopped(Exception):
+  """Training ended early on purpose; `exit_code` is what the CLI exits with."""
+
+  exit_code = 1
+
+
+class NonFiniteLossError(TrainingStopped):
+  """The loss became NaN or Inf; nothing was checkpointed after it."""
+
+  exit_code = 3
+
+
+class Preempted(TrainingStopped):
+  """A preemption request arrived; the state at `step` was checkpointed."""
+
+  exit_code = 143  # 128 + SIGTERM, what schedulers expect from a terminated job
+
+  def __init__(self, step: int):
+    super().__init__(f"Preempted at step {step}; checkpoint written. Rerun the same command "
+                     "to continue from it.")
+    self.step = step
+
+
+_PREEMPTION = threading.Event()
+
+
+def request_preemption() -> None:
+  """Asks the running loop to checkpoint after the current step and stop.
+
+  SIGTERM calls this; so can a cloud preemption notice watcher.
+  """
+  _PREEMPTION.set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +328,21 @@ class _Loop:
   total_steps: int
 
 
+def _check_finite(fetched: list[dict[str, float]], step: int) -> None:
+  """Raises before anything is written if some step's loss is NaN or Inf."""
+  first = step - len(fetched) + 1
+  for offset, m in enumerate(fetched):
+    if not math.isfinite(m.get("loss", 0.0)):
+      raise NonFiniteLossError(
+          f"Loss became {m['loss']} at step {first + offset}; stopped without saving it. "
+          "Lower the learning rate or enable gradient clipping, then restart from the last "
+          "checkpoint.")
+
+
 def _write_stats(loop: _Loop, step: int, pending: list) -> None:
-  scalars = metrics_lib.mean_metrics(pending)
+  fetched = metrics_lib.fetch(pending)
+  _check_finite(fetched, step)
+  scalars = metrics_lib.average(fetched)
   scalars.update(loop.progress.timing(step, scalars))
   loop.writer.write_scalars(step, scalars)
   metrics_lib.log_line(loop.progress.line(step, scalars))
@@ -323,8 +373,34 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int) -> TrainState:
       pending.append(step_metrics)
       if step % loop.periods.stats == 0 or step == epoch_end:
         _write_stats(loop, step, pending)
+      if _PREEMPTION.is_set():
+        _preempt(loop, step, state, pending)
     _end_of_epoch(loop, step, state)
   return state
+
+
+def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
+  """Checkpoints the finished step (closing waits for the write) and stops."""
+  if pending:
+    _write_stats(loop, step, pending)  # also refuses to save a non-finite state
+  loop.checkpointer.save(step, state.state_dict())
+  raise Preempted(step)
+
+
+class _SigtermToPreemption:
+  """Within the loop, SIGTERM requests a clean preemption instead of killing."""
+
+  def __enter__(self):
+    _PREEMPTION.clear()
+    self._installed = threading.current_thread() is threading.main_thread()
+    if self._installed:
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: request_preemption())
+    return self
+
+  def __exit__(self, *exc):
+    if self._installed:
+      signal.signal(signal.SIGTERM, self._previous)
+    _PREEMPTION.clear()
 
 
 def _resolve_seed(random_seed: int | None) -> int:
@@ -462,9 +538,10 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
   if periods.gc:
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
-    if loop.evaluator and run_eval_before_training:
-      loop.evaluator.evaluate(start, state.params)
-    state = run_epochs(loop, state, start)
+    with _SigtermToPreemption():
+      if loop.evaluator and run_eval_before_training:
+        loop.evaluator.evaluate(start, state.params)
+      state = run_epochs(loop, state, start)
   finally:
     _close(loop)
     gc.enable()
