@@ -34,6 +34,21 @@ flags.DEFINE_integer("initialization_timeout", 300,
                      "Seconds to wait for all processes to join.")
 
 USER_ERROR_EXIT = 2
+# Command-line bindings get the imports the shipped gin files use, so
+# `--gin.VOCABULARY=@vocabularies.sentencepiece_vocabulary()` works even when
+# no file referenced that function.
+BINDINGS_HEADER = (
+    "from __gin__ import dynamic_registration",
+    "from t5lite import checkpoints",
+    "from t5lite import optimizers",
+    "from t5lite import partitioning",
+    "from t5lite import train as train_lib",
+    "from t5lite import trainer",
+    "from t5lite.data import datasets",
+    "from t5lite.data import vocabularies",
+    "from t5lite.models import models",
+    "from t5lite.models import transformer",
+)
 _GIN_FLAG = re.compile(r"^--gin\.([^=]+)=(.*)$", re.DOTALL)
 
 
@@ -95,7 +110,8 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   level = root.level
   root.setLevel(logging.CRITICAL)
   try:
-    gin.parse_config_files_and_bindings(resolved, bindings, finalize_config=True)
+    gin.parse_config_files_and_bindings(
+        resolved, [*BINDINGS_HEADER, *bindings] if bindings else [], finalize_config=True)
   finally:
     root.setLevel(level)
 

@@ -65,3 +65,11 @@ def test_headline_builds_its_objects():
   model = gin.query_parameter("%MODEL").scoped_configurable_fn()
   assert isinstance(model, models.EncoderDecoderModel)
   assert model.module.config.emb_dim == 8 and model.module.config.vocab_size == 384
+
+
+def test_command_line_binding_can_reference_functions_no_file_used():
+  cli.parse_gin(["gin/pretrain_dense.gin"],
+                ["MODEL_DIR = '/tmp/x'", "VOCABULARY = @vocabularies.sentencepiece_vocabulary()",
+                 "MIXTURE_OR_TASK_NAME = 't5lite_span_corruption_spm'"], cli.gin_search_paths([]))
+  vocab = gin.query_parameter("%VOCABULARY").scoped_configurable_fn()
+  assert type(vocab).__name__ == "SentencePieceVocabulary" and vocab.vocab_size == 2100
