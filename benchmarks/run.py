@@ -47,7 +47,7 @@ def bare_loop(steps: int) -> float:
   specs, init_fn = train_lib.state_specs(model, partitioner,
                                          *train_lib.model_input_shapes(model, train_cfg))
   state: TrainState = partitioner.partition(init_fn, None, specs.shardings)(jax.random.key(0))
-  batch = next(train_lib.build_train_data(model, train_cfg, partitioner, 0))
+  batch = next(train_lib.TrainData(model, train_cfg, partitioner))
   step = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in batch.items()})
   state, metrics = step(state, batch)  # compile
   jax.block_until_ready(metrics)

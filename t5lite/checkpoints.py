@@ -10,13 +10,53 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import tensorflow as tf
+from etils import epath
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
+_DATASET = "dataset"
+
+
+@dataclasses.dataclass
+class DatasetIteratorArgs(ocp.args.CheckpointArgs):
+  """A tf.data iterator to save, or to restore into (in place)."""
+
+  iterator: Any
+
+
+class DatasetIteratorHandler(ocp.CheckpointHandler):
+  """Saves each process's tf.data iterator position under dataset/process_<i>.
+
+  Every host reads its own shard, so each writes and reads its own file.
+  """
+
+  def _path(self, directory: epath.Path) -> str:
+    return str(directory / f"process_{jax.process_index()}" / "iterator")
+
+  def save(self, directory: epath.Path, args: DatasetIteratorArgs) -> None:
+    tf.train.Checkpoint(iterator=args.iterator).write(self._path(directory))
+
+  def restore(self, directory: epath.Path, args: DatasetIteratorArgs | None = None) -> Any:
+    status = tf.train.Checkpoint(iterator=args.iterator).read(self._path(directory))
+    status.assert_consumed()
+    return args.iterator
+
+  def metadata(self, directory: epath.Path) -> None:
+    return None
+
+  def close(self) -> None:
+    pass
+
+
+ocp.args.register_with_handler(DatasetIteratorHandler, for_save=True,
+                               for_restore=True)(DatasetIteratorArgs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +65,22 @@ class SaveCheckpointConfig:
 
   Attributes:
     period: save every this many steps (and always at the last step).
+    checkpoint_steps: further steps to save at, off the period.
     keep: keep only the newest this many checkpoints; None keeps all.
+    keep_every_n_steps: checkpoints at multiples of this are kept forever,
+      whatever `keep` says.
+    dtype: store parameters in this dtype (e.g. 'bfloat16'); the optimizer
+      state stays as it is. Restoring casts back to the run's dtypes.
+    save_dataset: also save each host's data iterator position, so a resumed
+      run continues the data exactly without replaying it.
   """
 
   period: int = 1000
+  checkpoint_steps: Sequence[int] = ()
   keep: int | None = None
+  keep_every_n_steps: int | None = None
+  dtype: str | None = None
+  save_dataset: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,27 +109,53 @@ def validate_config(config: CheckpointConfig) -> None:
   Raises:
     ValueError: a non-positive period or keep, or an unknown restore mode.
   """
-  if config.save is not None:
-    if config.save.period <= 0:
-      raise ValueError(f"Checkpoint period {config.save.period} must be positive.")
-    if config.save.keep is not None and config.save.keep <= 0:
-      raise ValueError(f"Checkpoint keep={config.save.keep} must be positive or None.")
+  save = config.save
+  if save is not None:
+    if save.period <= 0:
+      raise ValueError(f"Checkpoint period {save.period} must be positive.")
+    if save.keep is not None and save.keep <= 0:
+      raise ValueError(f"Checkpoint keep={save.keep} must be positive or None.")
+    if save.keep_every_n_steps is not None and save.keep_every_n_steps <= 0:
+      raise ValueError(f"keep_every_n_steps={save.keep_every_n_steps} must be positive.")
+    if any(int(s) <= 0 for s in save.checkpoint_steps):
+      raise ValueError(f"checkpoint_steps {list(save.checkpoint_steps)} must be positive.")
+    if save.dtype is not None and save.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"Checkpoint dtype '{save.dtype}' is not supported; use float32, "
+                       "bfloat16 or float16.")
   if config.restore is not None and config.restore.mode not in ("latest", "specific"):
     raise ValueError(
         f"Unknown restore mode '{config.restore.mode}'; use 'latest' or 'specific'.")
 
 
-def _manager(directory: str, keep: int | None = None, read_only: bool = False
+def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only: bool = False
              ) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=not read_only, read_only=read_only,
-      enable_async_checkpointing=not read_only)
-  return ocp.CheckpointManager(directory, options=options, item_names=(_ITEM,))
+      max_to_keep=save.keep if save else None,
+      keep_period=save.keep_every_n_steps if save else None,
+      create=not read_only, read_only=read_only, enable_async_checkpointing=not read_only)
+  return ocp.CheckpointManager(directory, options=options, item_names=(_ITEM, _DATASET))
 
 
-def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> Any:
-  args = ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
-  return manager.restore(step, args=args)[_ITEM]
+def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
+  return os.path.isdir(os.path.join(str(manager.directory), str(step), _DATASET))
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
+             dataset_iterator: Any = None) -> tuple[Any, bool]:
+  """Restores the state and, when saved and asked for, the data iterator."""
+  items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
+  with_data = dataset_iterator is not None and _has_dataset(manager, step)
+  if with_data:
+    items[_DATASET] = DatasetIteratorArgs(dataset_iterator)
+  return manager.restore(step, args=ocp.args.Composite(**items))[_ITEM], with_data
+
+
+def _cast_params(state_dict: Any, dtype: str | None) -> Any:
+  if dtype is None:
+    return state_dict
+  cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      state_dict["params"])
+  return {**state_dict, "params": cast}
 
 
 class Checkpointer:
@@ -93,8 +170,7 @@ class Checkpointer:
     # Orbax's array store needs absolute paths; users pass relative ones.
     self.directory = os.path.join(os.path.abspath(model_dir), CHECKPOINTS_SUBDIR)
     self._save_config = save_config
-    keep = save_config.keep if save_config else None
-    self._manager = _manager(self.directory, keep=keep)
+    self._manager = _manager(self.directory, save_config)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -102,20 +178,34 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state_dict: Any) -> bool:
+  def save(self, step: int, state_dict: Any, dataset_iterator: Any = None) -> bool:
     """Starts an asynchronous save of `state_dict` at `step`.
+
+    Args:
+      step: the step the state is at.
+      state_dict: arrays to save.
+      dataset_iterator: this host's tf.data iterator, saved when the config
+        has `save_dataset` (synchronously: it is small and must match `step`).
 
     Returns:
       False when a checkpoint for `step` already exists (nothing is written).
     """
     if step in self._manager.all_steps():
       return False
-    args = ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state_dict)})
-    return bool(self._manager.save(step, args=args, force=True))
+    dtype = self._save_config.dtype if self._save_config else None
+    items = {_ITEM: ocp.args.StandardSave(_cast_params(state_dict, dtype))}
+    if dataset_iterator is not None and self._save_config and self._save_config.save_dataset:
+      items[_DATASET] = DatasetIteratorArgs(dataset_iterator)
+    return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
 
-  def restore(self, step: int, abstract_state: Any) -> Any:
-    """Restores `step` into the shapes, dtypes and shardings of `abstract_state`."""
-    return _restore(self._manager, step, abstract_state)
+  def restore(self, step: int, abstract_state: Any, dataset_iterator: Any = None
+              ) -> tuple[Any, bool]:
+    """Restores `step` into the shapes, dtypes and shardings of `abstract_state`.
+
+    Returns:
+      (state_dict, whether `dataset_iterator` was restored in place).
+    """
+    return _restore(self._manager, step, abstract_state, dataset_iterator)
 
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
@@ -155,7 +245,7 @@ def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> t
   directory, step = resolve_restore_path(config)
   manager = _manager(directory, read_only=True)
   try:
-    return _restore(manager, step, abstract_state), step
+    return _restore(manager, step, abstract_state)[0], step
   finally:
     manager.close()
 

@@ -75,10 +75,17 @@ class Periods:
   eval: int
   gc: int
   stats: int
+  checkpoint_steps: tuple[int, ...] = ()
+
+  def next_boundary(self, step: int) -> int:
+    """The first step after `step` where the loop must stop for something."""
+    end = (step // self.epoch + 1) * self.epoch
+    return min([end] + [s for s in self.checkpoint_steps if s > step])
 
 
 def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_period: int | None,
-                    gc_period: int | None, stats_period: int | None) -> Periods:
+                    gc_period: int | None, stats_period: int | None,
+                    checkpoint_steps: tuple[int, ...] = ()) -> Periods:
   """Epoch length = min of the eval, checkpoint and gc periods, checked for nesting.
 
   Args:
@@ -106,7 +113,8 @@ def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_per
           f"divide each other, e.g. set {big_name}={(big // small + 1) * small}.")
   epoch = active[0][0] if active else max(total_steps, 1)
   return Periods(epoch=epoch, checkpoint=named["checkpoint_period"], eval=named["eval_period"],
-                 gc=named["gc_period"], stats=stats_period or epoch)
+                 gc=named["gc_period"], stats=stats_period or epoch,
+                 checkpoint_steps=tuple(sorted(int(s) for s in checkpoint_steps)))
 
 
 def _check_vocabulary(model: Any, cfg: DatasetConfig) -> None:
@@ -139,7 +147,9 @@ def validate(*, model: Any, train_dataset_cfg: DatasetConfig,
   """
   ckpt_lib.validate_config(checkpoint_cfg)
   save = checkpoint_cfg.save
-  periods = compute_periods(checkpoint_period=save.period if save else 0, **periods_kwargs)
+  periods = compute_periods(checkpoint_period=save.period if save else 0,
+                            checkpoint_steps=tuple(save.checkpoint_steps) if save else (),
+                            **periods_kwargs)
   partitioner.validate()
   layout = partitioner.get_data_layout(train_dataset_cfg.batch_size)
   trainer.validate(train_dataset_cfg.batch_size)
@@ -176,16 +186,38 @@ def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iter
     yield _to_global(batch, shardings, global_batch)
 
 
-def build_train_data(model: Any, cfg: DatasetConfig, partitioner: Partitioner,
-                     skip_batches: int) -> Iterator[dict]:
-  """This host's shard of the training data as global arrays, resumed at a step."""
-  layout = partitioner.get_data_layout(cfg.batch_size)
-  ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
-                            model.FEATURE_CONVERTER_CLS, num_epochs=None)
-  if skip_batches:
-    # A restarted run continues the same data order instead of replaying it.
-    ds = ds.skip(skip_batches)
-  return global_batches(ds.prefetch(2), partitioner, cfg.batch_size)
+class TrainData:
+  """This host's training batches as global arrays.
+
+  Holds the tf.data iterator itself so checkpoints can save its position.
+
+  Args:
+    model: gives the feature converter.
+    cfg: the training dataset config.
+    partitioner: gives the data layout and the batch shardings.
+  """
+
+  def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner):
+    layout = partitioner.get_data_layout(cfg.batch_size)
+    self._ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
+                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
+    self._global_batch = cfg.batch_size
+    self.shardings = {k: partitioner.batch_sharding(len(spec.shape))
+                      for k, spec in self._ds.element_spec.items()}
+    self.iterator = iter(self._ds)
+
+  def skip(self, num_batches: int) -> None:
+    """Starts after `num_batches` batches: resuming without a saved iterator
+    replays the pipeline instead of repeating data."""
+    if num_batches:
+      self.iterator = iter(self._ds.skip(num_batches))
+
+  def __iter__(self) -> "TrainData":
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = {k: v.numpy() for k, v in next(self.iterator).items()}
+    return _to_global(batch, self.shardings, self._global_batch)
 
 
 # ---------------------------------------------------------------------------
@@ -228,8 +260,11 @@ def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str,
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
-                    seed: int) -> tuple[TrainState, int]:
+                    seed: int, data: TrainData | None = None) -> tuple[TrainState, int]:
   """Latest checkpoint in model_dir, else an explicit restore path, else fresh init.
+
+  The data continues where the restored step left it: from the saved
+  iterator when the checkpoint has one, else by skipping that many batches.
 
   Returns:
     (state, step it starts from).
@@ -239,10 +274,16 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   latest = checkpointer.latest_step()
   if latest is not None:
     metrics_lib.log_line(f"Restoring step {latest} from {checkpointer.directory}")
-    return specs.abstract.restore_state(checkpointer.restore(latest, abstract)), latest
+    restored, with_data = checkpointer.restore(latest, abstract,
+                                               data.iterator if data is not None else None)
+    if data is not None and not with_data:
+      data.skip(latest)
+    return specs.abstract.restore_state(restored), latest
   if restore_cfg is not None and restore_cfg.path:
     restored, step = ckpt_lib.restore_from_path(restore_cfg, abstract)
     metrics_lib.log_line(f"Restored step {step} from {restore_cfg.path}")
+    if data is not None:
+      data.skip(step)
     return specs.abstract.restore_state(restored), step
   # Init under jit with output shardings: a large model is created already
   # split over the devices, never whole on one.
@@ -319,7 +360,7 @@ class _Loop:
   """The pieces the epoch loop drives."""
 
   step_fn: Callable[..., Any]
-  data: Iterator[dict]
+  data: TrainData
   checkpointer: ckpt_lib.Checkpointer
   writer: metrics_lib.SummaryWriter
   progress: metrics_lib.Progress
@@ -352,8 +393,9 @@ def _write_stats(loop: _Loop, step: int, pending: list) -> None:
 def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> None:
   """Checkpoint, evaluate and collect garbage when their periods come due."""
   last = step == loop.total_steps
-  if loop.periods.checkpoint and (step % loop.periods.checkpoint == 0 or last):
-    loop.checkpointer.save(step, state.state_dict())
+  due = loop.periods.checkpoint and step % loop.periods.checkpoint == 0
+  if loop.periods.checkpoint and (due or last or step in loop.periods.checkpoint_steps):
+    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   if loop.evaluator and loop.periods.eval and (step % loop.periods.eval == 0 or last):
     loop.evaluator.evaluate(step, state.params)
     loop.progress.reset_clock(step)
@@ -364,9 +406,8 @@ def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> None:
 def run_epochs(loop: _Loop, state: TrainState, start_step: int) -> TrainState:
   """Runs steps from start_step to total_steps, epoch by epoch."""
   step, pending = start_step, []
-  epoch = loop.periods.epoch
   while step < loop.total_steps:
-    epoch_end = min(loop.total_steps, (step // epoch + 1) * epoch)
+    epoch_end = min(loop.total_steps, loop.periods.next_boundary(step))
     while step < epoch_end:
       state, step_metrics = loop.step_fn(state, next(loop.data))
       step += 1
@@ -383,7 +424,7 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
   """Checkpoints the finished step (closing waits for the write) and stops."""
   if pending:
     _write_stats(loop, step, pending)  # also refuses to save a non-finite state
-  loop.checkpointer.save(step, state.state_dict())
+  loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   raise Preempted(step)
 
 
@@ -486,19 +527,17 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
     summarize_config_fn(model_dir)
 
 
-def _build_loop(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, specs,
+def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, specs,
                 checkpointer, model_dir, start, end, eval_steps) -> _Loop:
-  """Data from `start`, the compiled step, the evaluator and the writers."""
-  data = build_train_data(model, train_cfg, partitioner, skip_batches=start)
-  first = next(data)
-  step_fn = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in first.items()})
+  """The compiled step, the evaluator and the writers around the data."""
+  step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
   evaluator = None
   if eval_cfg is not None and periods.eval:
     evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
                                trainer=trainer, params_shardings=specs.shardings.params,
                                eval_steps=eval_steps, model_dir=model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
-  return _Loop(step_fn=step_fn, data=_prepend(first, data), checkpointer=checkpointer,
+  return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer,
                writer=writer, progress=metrics_lib.Progress(end, start), periods=periods,
                evaluator=evaluator, total_steps=end)
 
@@ -519,9 +558,10 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
   _prepare_model_dir(model_dir, summarize_config_fn)
   specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
+  data = TrainData(model, train_cfg, partitioner)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
-                                 seed=seed)
+                                 seed=seed, data=data)
   end = start + relative_steps if relative_steps is not None else total_steps
   if jax.process_index() == 0:
     write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
@@ -531,7 +571,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
     return start, state
 
   loop = _build_loop(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
-                     train_cfg=train_cfg, eval_cfg=eval_cfg, specs=specs,
+                     data=data, eval_cfg=eval_cfg, specs=specs,
                      checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
                      eval_steps=eval_steps)
   metrics_lib.log_line(f"Training steps {start} -> {end} on mesh {dict(partitioner.mesh.shape)}")
@@ -549,7 +589,3 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
                        f"summaries in {os.path.join(model_dir, 'train')}")
   return end, state
 
-
-def _prepend(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
-  yield first
-  yield from rest
