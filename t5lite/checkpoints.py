@@ -136,6 +136,41 @@ def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only
   return ocp.CheckpointManager(directory, options=options, item_names=(_ITEM, _DATASET))
 
 
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def check_matches(step_dir: str, abstract_state: Any) -> None:
+  """Compares a checkpoint's array shapes with the model's before restoring.
+
+  Raises:
+    ValueError: naming up to five mismatched, missing or unexpected variables.
+  """
+  metadata = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, _ITEM)).item_metadata
+  saved, wanted = _shapes_by_path(metadata), _shapes_by_path(abstract_state)
+  # Parameters first: they are what a user recognises.
+  order = lambda paths: sorted(paths, key=lambda p: (not p.startswith("params/"), p))  # noqa: E731
+  problems = [f"{p} is {saved[p]} in the checkpoint but {wanted[p]} in the model"
+              for p in order(set(saved) & set(wanted)) if saved[p] != wanted[p]]
+  problems += [f"{p} is missing from the checkpoint" for p in order(set(wanted) - set(saved))]
+  problems += [f"{p} is in the checkpoint but not in the model"
+               for p in order(set(saved) - set(wanted))]
+  if problems:
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    raise ValueError(
+        f"Checkpoint {step_dir} does not match this model and optimizer: "
+        + "; ".join(problems[:5]) + more
+        + ". Use the configuration it was trained with, or a new MODEL_DIR.")
+
+
 def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   return os.path.isdir(os.path.join(str(manager.directory), str(step), _DATASET))
 
@@ -143,6 +178,7 @@ def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
 def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
              dataset_iterator: Any = None) -> tuple[Any, bool]:
   """Restores the state and, when saved and asked for, the data iterator."""
+  check_matches(os.path.join(str(manager.directory), str(step)), abstract_state)
   items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
   with_data = dataset_iterator is not None and _has_dataset(manager, step)
   if with_data:

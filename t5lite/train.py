@@ -135,7 +135,17 @@ def _check_vocabulary(model: Any, cfg: DatasetConfig) -> None:
         f"({targets_vocab.vocab_size}); raise the model's vocab_size.")
 
 
-def validate(*, model: Any, train_dataset_cfg: DatasetConfig,
+def _check_writable(model_dir: str) -> None:
+  """MODEL_DIR (or the directory it will be created in) must be writable."""
+  path = os.path.abspath(model_dir)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"MODEL_DIR '{model_dir}' is not writable ('{path}' is not a writable "
+                     "directory); choose another MODEL_DIR or fix its permissions.")
+
+
+def validate(*, model: Any, train_dataset_cfg: DatasetConfig, model_dir: str,
              train_eval_dataset_cfg: DatasetConfig | None,
              infer_eval_dataset_cfg: DatasetConfig | None, checkpoint_cfg: CheckpointConfig,
              partitioner: Partitioner, trainer: Any, periods_kwargs: Mapping[str, Any],
@@ -146,6 +156,7 @@ def validate(*, model: Any, train_dataset_cfg: DatasetConfig,
     ValueError: the first problem found, as one readable message.
   """
   ckpt_lib.validate_config(checkpoint_cfg)
+  _check_writable(model_dir)
   save = checkpoint_cfg.save
   periods = compute_periods(checkpoint_period=save.period if save else 0,
                             checkpoint_steps=tuple(save.checkpoint_steps) if save else (),
@@ -506,7 +517,7 @@ def train(*,
   seed = _resolve_seed(random_seed)
   trainer = trainer_cls(model=model, partitioner=partitioner, dropout_seed=seed)
   periods = validate(
-      model=model, train_dataset_cfg=train_dataset_cfg,
+      model=model, train_dataset_cfg=train_dataset_cfg, model_dir=model_dir,
       train_eval_dataset_cfg=train_eval_dataset_cfg,
       infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
       partitioner=partitioner, trainer=trainer, actions=actions,
@@ -554,8 +565,7 @@ def _close(loop: _Loop) -> None:
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
          summarize_config_fn) -> tuple[int, TrainState]:
-  """The phases after validation: model_dir, state, loop, then the epochs."""
-  _prepare_model_dir(model_dir, summarize_config_fn)
+  """The phases after validation: state, model_dir, loop, then the epochs."""
   specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   data = TrainData(model, train_cfg, partitioner)
@@ -563,6 +573,8 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
                                  seed=seed, data=data)
   end = start + relative_steps if relative_steps is not None else total_steps
+  # Only now, with the checkpoint known to fit the model, is anything written.
+  _prepare_model_dir(model_dir, summarize_config_fn)
   if jax.process_index() == 0:
     write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
   if start >= end:

@@ -1,0 +1,58 @@
+"""Bad input fails before compiling, in one line, exit 2, leaving MODEL_DIR as it was."""
+
+import hashlib
+import os
+
+from test_cli import TINY, run_cli
+
+
+def _snapshot(root):
+  """Every file under root with its content hash and modification time."""
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[path] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+  return out
+
+
+def _last_line(result):
+  return result.stderr.strip().splitlines()[-1]
+
+
+def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path):
+  model_dir = tmp_path / "run"
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2"]
+  assert run_cli(base, cwd=str(tmp_path)).returncode == 0
+  before = _snapshot(model_dir)
+  out = run_cli([*base, "--gin.TRAIN_STEPS=4", "--gin.transformer.TransformerConfig.mlp_dim=32"],
+                cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-3000:]
+  line = _last_line(out)
+  assert "does not match this model" in line
+  assert "params/decoder/layers_0/mlp/wi_0/kernel is (8, 16) in the checkpoint but (8, 32)" in line
+  assert _snapshot(model_dir) == before  # config.gin, model-info.txt, checkpoints untouched
+
+
+def test_model_dir_that_cannot_be_created(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{blocker / 'run'}'"], cwd=str(tmp_path))
+  assert out.returncode == 2
+  assert "is not writable" in _last_line(out) and "choose another MODEL_DIR" in _last_line(out)
+
+
+def test_missing_required_macro(tmp_path):
+  out = run_cli(TINY, cwd=str(tmp_path))
+  assert out.returncode == 2
+  assert "MODEL_DIR" in _last_line(out) and "gin.REQUIRED" in _last_line(out)
+
+
+def test_restore_path_that_does_not_exist(tmp_path):
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+                 "--gin.checkpoints.CheckpointConfig.restore=@checkpoints.RestoreCheckpointConfig()",
+                 f"--gin.checkpoints.RestoreCheckpointConfig.path='{tmp_path / 'nope'}'"],
+                cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "No checkpoint found under restore path" in _last_line(out)
