@@ -211,6 +211,13 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def unfinished_steps(self) -> list[int]:
+    """Steps whose save never completed (a crash mid-write); never restored."""
+    if not os.path.isdir(self.directory):
+      return []
+    names = (n.split(".", 1)[0] for n in os.listdir(self.directory) if ".orbax-checkpoint-tmp" in n)
+    return sorted(int(n) for n in names if n.isdigit())
+
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 

@@ -283,6 +283,10 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
   latest = checkpointer.latest_step()
+  unfinished = [s for s in checkpointer.unfinished_steps() if latest is None or s > latest]
+  if unfinished:
+    metrics_lib.log_line(f"Warning: ignoring unfinished checkpoint(s) at step(s) {unfinished} "
+                         f"in {checkpointer.directory}; restoring the last complete one.")
   if latest is not None:
     metrics_lib.log_line(f"Restoring step {latest} from {checkpointer.directory}")
     restored, with_data = checkpointer.restore(latest, abstract,

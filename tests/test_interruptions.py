@@ -83,3 +83,17 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise(tmp_path):
   assert [p for p, _ in a] == [p for p, _ in b]
   for (path, x), (_, y) in zip(a, b):
     assert x.dtype == y.dtype and (x == y).all(), path  # bitwise, not approximately
+
+
+def test_half_written_checkpoint_is_never_restored(tmp_path):
+  model_dir = tmp_path / "run"
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]
+  assert run_cli([*base, "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path)).returncode == 0
+  # What a crash in the middle of writing step 6 leaves behind.
+  partial = model_dir / "checkpoints" / "6.orbax-checkpoint-tmp" / "state"
+  partial.mkdir(parents=True)
+  (partial / "garbage").write_bytes(b"\x00" * 100)
+  out = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "ignoring unfinished checkpoint(s) at step(s) [6]" in out.stdout
+  assert "Restoring step 2" in out.stdout and "Training steps 2 -> 4" in out.stdout
