@@ -273,6 +273,32 @@ class Partitioner:
         lambda spec: NamedSharding(self.mesh, self.logical_to_mesh_spec(spec)),
         logical_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
+  def check_divisible(self, abstract_tree: Any, logical_tree: Any) -> None:
+    """Every sharded dimension must split evenly over its mesh axes.
+
+    Args:
+      abstract_tree: arrays or ShapeDtypeStructs.
+      logical_tree: matching tree of logical PartitionSpecs.
+
+    Raises:
+      ValueError: naming the first variable that does not divide, with its
+        shape, logical axes and mesh axes.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
+    specs = jax.tree.leaves(logical_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), logical in zip(flat, specs):
+      mesh_spec = self.logical_to_mesh_spec(logical)
+      for size, axes in zip(leaf.shape, mesh_spec):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        parts = math.prod(self.mesh.shape[n] for n in names)
+        if size % parts:
+          name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+          raise ValueError(
+              f"{name} has shape {tuple(leaf.shape)} with logical axes {tuple(logical)}, but "
+              f"its dimension of size {size} is split over mesh axes {names} of total size "
+              f"{parts}; choose sizes it divides (e.g. NUM_MODEL_PARTITIONS or the model "
+              "dimensions) or change the partitioning rules.")
+
   def batch_sharding(self, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, ...] input array."""
     spec = self.logical_to_mesh_spec((ax.BATCH,) + (None,) * (ndim - 1))

@@ -571,6 +571,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
          summarize_config_fn) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
+  partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   data = TrainData(model, train_cfg, partitioner)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,

@@ -132,3 +132,29 @@ def test_model_axis_must_stay_inside_a_host():
   out = subprocess.run([sys.executable, "-c", _TWO_HOSTS_MODEL_AXIS], capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr[-3000:]
+
+
+_INDIVISIBLE = textwrap.dedent("""
+    import jax
+    from t5lite import partitioning, testing
+    from t5lite.train import state_specs
+    model = testing.tiny_decoder_only(num_heads=3)
+    p = partitioning.Partitioner(num_partitions=2, mesh_shape={'data': -1, 'model': 2})
+    shapes = {'decoder_input_tokens': (1, 8), 'decoder_target_tokens': (1, 8)}
+    specs, _ = state_specs(model, p, shapes, None)
+    try:
+      p.check_divisible(specs.abstract, specs.logical)
+      raise SystemExit('expected an error')
+    except ValueError as e:
+      msg = str(e)
+    assert "has shape" in msg and "'heads'" in msg and "size 3" in msg, msg
+    assert "mesh axes ('model',) of total size 2" in msg, msg
+    print('ok')
+""")
+
+
+def test_indivisible_parameter_dimension_is_named():
+  out = subprocess.run([sys.executable, "-c", _INDIVISIBLE], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                             XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert out.returncode == 0, out.stderr[-3000:]
