@@ -64,12 +64,16 @@ def standard_logical_axis_rules(
       raise ValueError(f"{name}={dims} is not supported; use 1 or 2.")
   rules: list[tuple[str, Any]] = list(additional_rules or [])
   rules += [
+      # Experts claim the `expert` axis first; in an array that has both, the
+      # batch then falls back to (data, fsdp), so tokens move to their
+      # experts (all-to-all) instead of expert weights being gathered.
+      (ax.EXPERT, "expert"),
       (ax.BATCH, BATCH_MESH_AXES),
+      (ax.BATCH, ("data", "fsdp")),
       (ax.VOCAB, "model"),
       (ax.MLP, "model"),
       (ax.HEADS, "model"),
       (ax.JOINED_KV, "model"),
-      (ax.EXPERT, "expert"),
       (ax.EXPERT_MLP, "model"),
   ]
   if activation_partitioning_dims == 2:

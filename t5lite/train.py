@@ -28,6 +28,7 @@ from t5lite import metrics as metrics_lib
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
+from t5lite.models import moe
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState, state_logical_axes
 
@@ -162,6 +163,9 @@ def validate(*, model: Any, train_dataset_cfg: DatasetConfig, model_dir: str,
                             checkpoint_steps=tuple(save.checkpoint_steps) if save else (),
                             **periods_kwargs)
   partitioner.validate()
+  num_experts = getattr(getattr(model.module, "config", None), "num_experts", 0)
+  if num_experts:
+    moe.validate_expert_partitioning(num_experts, partitioner.mesh.shape["expert"])
   layout = partitioner.get_data_layout(train_dataset_cfg.batch_size)
   trainer.validate(train_dataset_cfg.batch_size)
   for cfg in (train_dataset_cfg, train_eval_dataset_cfg):
@@ -216,6 +220,12 @@ class TrainData:
     self.shardings = {k: partitioner.batch_sharding(len(spec.shape))
                       for k, spec in self._ds.element_spec.items()}
     self.iterator = iter(self._ds)
+
+  def input_shapes(self) -> tuple[dict, dict]:
+    """Shapes (batch 1) and dtypes of the model inputs, for initialisation."""
+    spec = self._ds.element_spec
+    return ({k: (1,) + tuple(v.shape[1:]) for k, v in spec.items()},
+            {k: v.dtype.as_numpy_dtype for k, v in spec.items()})
 
   def skip(self, num_batches: int) -> None:
     """Starts after `num_batches` batches: resuming without a saved iterator
@@ -570,10 +580,10 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
          summarize_config_fn) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
-  specs, init_fn = state_specs(model, partitioner, *model_input_shapes(model, train_cfg))
+  data = TrainData(model, train_cfg, partitioner)
+  specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
-  data = TrainData(model, train_cfg, partitioner)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
                                  seed=seed, data=data)

@@ -4,14 +4,14 @@ import os
 import signal
 import subprocess
 
-from test_cli import BIN, TINY, run_cli
+from test_cli import BIN, JAX_CACHE, TINY, run_cli
 
 
 def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path):
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
           "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
   proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   for line in proc.stdout:  # wait until training is really under way
@@ -64,7 +64,7 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise(tmp_path):
   assert straight.returncode == 0, straight.stderr[-3000:]
 
   killed_dir = tmp_path / "b"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
   proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *common,
                            f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

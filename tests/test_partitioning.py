@@ -12,8 +12,11 @@ from t5lite import partitioning
 
 
 def test_standard_rules_t5x_semantics():
-  rules = dict(partitioning.standard_logical_axis_rules())
-  assert rules["batch"] == ("data", "fsdp", "expert")
+  ordered = partitioning.standard_logical_axis_rules()
+  assert [m for name, m in ordered if name == "batch"] == [("data", "fsdp", "expert"),
+                                                           ("data", "fsdp")]
+  assert ordered.index(("expert", "expert")) < ordered.index(("batch", ("data", "fsdp", "expert")))
+  rules = dict(ordered)
   assert rules["mlp"] == "model" and rules["heads"] == "model" and rules["vocab"] == "model"
   assert rules["embed"] is None and rules["kv"] is None
   two = partitioning.standard_logical_axis_rules(2, 2)

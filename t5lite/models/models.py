@@ -13,10 +13,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import optax
 import seqio
+
+from t5lite.models import moe
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -66,6 +69,24 @@ def token_loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float
   }
 
 
+def collect_moe_metrics(intermediates: Mapping[str, Any]) -> dict[str, Array]:
+  """Averages each MoE statistic over every MoE layer that sowed it.
+
+  Args:
+    intermediates: the 'intermediates' collection of an apply; scanned
+      stacks contribute one value per block.
+
+  Returns:
+    `{name: float32 scalar}` for the names in `moe.METRIC_NAMES` that were
+    sown; empty for a dense network.
+  """
+  found: dict[str, list[Array]] = {}
+  for path, values in traverse_util.flatten_dict(dict(intermediates)).items():
+    if path[-1] in moe.METRIC_NAMES:
+      found.setdefault(path[-1], []).extend(jnp.ravel(v) for v in values)
+  return {name: jnp.mean(jnp.concatenate(v)) for name, v in found.items()}
+
+
 class BaseModel(abc.ABC):
   """A network with its vocabularies, feature converter, optimizer and loss.
 
@@ -76,6 +97,8 @@ class BaseModel(abc.ABC):
     input_vocabulary: vocabulary of the inputs.
     output_vocabulary: vocabulary of the targets.
     optimizer: optax transformation the trainer uses; never called here.
+    moe_aux_loss_weight: weight of the MoE load-balancing loss.
+    moe_z_loss_weight: weight of the MoE router z-loss.
   """
 
   FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
@@ -84,7 +107,8 @@ class BaseModel(abc.ABC):
                output_vocabulary: seqio.Vocabulary,
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
-               loss_normalizing_factor: float | None = None):
+               loss_normalizing_factor: float | None = None,
+               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3):
     """Builds the model.
 
     Args:
@@ -96,13 +120,20 @@ class BaseModel(abc.ABC):
       label_smoothing: in [0, 1).
       loss_normalizing_factor: constant divisor of the summed loss; None
         divides by the sum of the batch's loss weights.
+      moe_aux_loss_weight: weight of the load-balancing loss of MoE layers
+        (averaged over layers); unused by dense networks.
+      moe_z_loss_weight: weight of the router z-loss of MoE layers (averaged
+        over layers); unused by dense networks.
 
     Raises:
-      ValueError: for a negative z_loss, a label_smoothing outside [0, 1) or
-        a non-positive loss_normalizing_factor.
+      ValueError: for a negative z_loss or MoE loss weight, a
+        label_smoothing outside [0, 1) or a non-positive
+        loss_normalizing_factor.
     """
-    if z_loss < 0:
-      raise ValueError(f"z_loss must be >= 0, got {z_loss}.")
+    for name, value in (("z_loss", z_loss), ("moe_aux_loss_weight", moe_aux_loss_weight),
+                        ("moe_z_loss_weight", moe_z_loss_weight)):
+      if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}.")
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
     if loss_normalizing_factor is not None and loss_normalizing_factor <= 0:
@@ -115,6 +146,8 @@ class BaseModel(abc.ABC):
     self.z_loss = z_loss
     self.label_smoothing = label_smoothing
     self.loss_normalizing_factor = loss_normalizing_factor
+    self.moe_aux_loss_weight = moe_aux_loss_weight
+    self.moe_z_loss_weight = moe_z_loss_weight
 
   @abc.abstractmethod
   def _module_inputs(self, batch: Batch) -> dict[str, Array]:
@@ -159,12 +192,31 @@ class BaseModel(abc.ABC):
       return jnp.asarray(self.loss_normalizing_factor, jnp.float32)
     return jnp.sum(batch["decoder_loss_weights"].astype(jnp.float32))
 
-  def _logits(self, params: Params, batch: Batch, dropout_rng: Array | None) -> Array:
-    """Teacher-forced float32 logits, with dropout iff `dropout_rng` is given."""
+  def _logits(self, params: Params, batch: Batch, dropout_rng: Array | None
+              ) -> tuple[Array, dict[str, Array]]:
+    """Teacher-forced float32 logits, with dropout iff `dropout_rng` is
+    given, and the MoE statistics averaged over layers (empty if dense)."""
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    logits = self.module.apply({"params": params}, **self._module_inputs(batch),
-                               enable_dropout=dropout_rng is not None, rngs=rngs)
-    return logits.astype(jnp.float32)
+    logits, state = self.module.apply({"params": params}, **self._module_inputs(batch),
+                                      enable_dropout=dropout_rng is not None, rngs=rngs,
+                                      mutable=["intermediates"])
+    return logits.astype(jnp.float32), collect_moe_metrics(state.get("intermediates", {}))
+
+  def _add_moe_losses(self, loss: Array, sums: dict[str, Array],
+                      moe_metrics: Mapping[str, Array],
+                      num_microbatches: int) -> Array:
+    """Adds the weighted MoE losses to `loss` and `experts/...` to `sums`.
+
+    Both are batch means, so each microbatch contributes 1/num_microbatches
+    of its own and the trainer's sum over microbatches is their mean.
+    """
+    if not moe_metrics:
+      return loss
+    aux = (self.moe_aux_loss_weight * moe_metrics[moe.AUXILIARY_LOSS]
+           + self.moe_z_loss_weight * moe_metrics[moe.ROUTER_Z_LOSS])
+    for name, value in moe_metrics.items():
+      sums[f"experts/{name}"] = value / num_microbatches
+    return loss + aux / num_microbatches
 
   def loss_fn(self, params: Params, batch: Batch, dropout_rng: Array | None,
               loss_normalizer: Array | None = None,
@@ -172,7 +224,9 @@ class BaseModel(abc.ABC):
     """Normalized training loss and summed statistics.
 
     loss = sum(weight * (cross_ent + z_loss * logsumexp(logits)**2))
-    / loss_normalizer. Passing the full batch's normalizer to each
+    / loss_normalizer, plus for MoE networks `(moe_aux_loss_weight *
+    auxiliary_loss + moe_z_loss_weight * router_z_loss) / num_microbatches`
+    with both averaged over MoE layers. Passing the full batch's normalizer to each
     microbatch makes the microbatch losses (and gradients) add up to the
     full batch's.
 
@@ -191,9 +245,12 @@ class BaseModel(abc.ABC):
 
     Returns:
       `(loss, sums)` where `sums` holds the float32 sums of
-      `token_loss_sums`.
+      `token_loss_sums` and, for MoE networks, `experts/auxiliary_loss`,
+      `experts/router_z_loss`, `experts/fraction_tokens_left_behind`,
+      `experts/expert_usage` and `experts/router_confidence`, each averaged
+      over MoE layers and divided by `num_microbatches`.
     """
-    logits = self._logits(params, batch, dropout_rng)
+    logits, moe_metrics = self._logits(params, batch, dropout_rng)
     sums = token_loss_sums(logits, batch["decoder_target_tokens"],
                            batch["decoder_loss_weights"], self.z_loss,
                            self.label_smoothing)
@@ -204,6 +261,7 @@ class BaseModel(abc.ABC):
     # loss and its gradient finite instead of 0/0.
     safe_normalizer = jnp.where(loss_normalizer == 0, 1.0, loss_normalizer)
     loss = (sums["cross_ent_sum"] + sums["z_loss_sum"]) / safe_normalizer
+    loss = self._add_moe_losses(loss, sums, moe_metrics, num_microbatches)
     return loss, sums
 
   def eval_fn(self, params: Params, batch: Batch) -> tuple[Array, dict[str, Array]]:
@@ -212,7 +270,7 @@ class BaseModel(abc.ABC):
 
   def predict_logits(self, params: Params, batch: Batch) -> Array:
     """Teacher-forced float32 logits `[batch, length, vocab]`, no dropout."""
-    return self._logits(params, batch, dropout_rng=None)
+    return self._logits(params, batch, dropout_rng=None)[0]
 
 
 def _ones(shape: tuple[int, ...], name: str,
@@ -266,7 +324,8 @@ class DecoderOnlyModel(BaseModel):
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | None = None,
-               inputs_bidirectional_attention: bool = False):
+               inputs_bidirectional_attention: bool = False,
+               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3):
     """Builds the model; arguments as in `BaseModel`.
 
     Args:
@@ -279,9 +338,13 @@ class DecoderOnlyModel(BaseModel):
       loss_normalizing_factor: constant divisor, or None for the weight sum.
       inputs_bidirectional_attention: prefix-LM: bidirectional attention over
         the inputs part of each example.
+      moe_aux_loss_weight: weight of the MoE load-balancing loss.
+      moe_z_loss_weight: weight of the MoE router z-loss.
     """
     super().__init__(module, input_vocabulary, output_vocabulary, optimizer, z_loss,
-                     label_smoothing, loss_normalizing_factor)
+                     label_smoothing, loss_normalizing_factor,
+                     moe_aux_loss_weight=moe_aux_loss_weight,
+                     moe_z_loss_weight=moe_z_loss_weight)
     self.inputs_bidirectional_attention = inputs_bidirectional_attention
     if inputs_bidirectional_attention:
       # Per instance: the class default stays the plain decoder converter.

@@ -17,6 +17,18 @@ leading LAYERS axis when `scan_layers=True`):
   decoder/decoder_norm/scale
   decoder/logits_dense/kernel                    [embed, vocab], if untied
 
+Mixture-of-Experts (`num_experts > 0`): in every `moe_layer_interval`-th
+layer, counting from 1 (layers_{N-1}, layers_{2N-1}, ... of each stack, as in
+ST-MoE), `mlp` is replaced by `moe` (see `moe.MoeLayer`):
+
+  .../layers_{i}/moe/router/kernel               [embed, experts]
+  .../layers_{i}/moe/{wi_0,wi_1}                 [expert, embed, expert_mlp]
+  .../layers_{i}/moe/wo                          [expert, expert_mlp, embed]
+
+Scanned MoE stacks scan over blocks of `moe_layer_interval` layers whose last
+layer is sparse: `layers/layers_{j}` for j < interval, each with a leading
+LAYERS axis of `num_layers / interval` blocks.
+
 T5 uses relative position biases only, so the `*_positions` inputs of
 seqio's packed features are accepted and ignored: within a packed segment the
 difference of two indices equals the difference of their positions.
@@ -33,6 +45,7 @@ import jax.numpy as jnp
 
 from t5lite import axis_names as ax
 from t5lite.models import layers
+from t5lite.models import moe
 
 Array = jax.Array
 
@@ -60,6 +73,24 @@ class TransformerConfig:
     float32_attention_logits: compute attention softmax in float32.
     scan_layers: stack layers with `nn.scan` (one compiled layer body,
       params gain a leading LAYERS axis).
+    num_experts: experts per MoE layer; 0 builds a dense model and ignores
+      every field below.
+    num_selected_experts: k of top-k routing (1 is Switch, 2 is ST-MoE).
+    moe_layer_interval: every this-many-th layer, counting from 1, has an MoE
+      MLP (2: layers 1, 3, 5, ... zero-based; 1: every layer). With
+      `scan_layers` it must divide the encoder and decoder depths.
+    train_capacity_factor: expert capacity factor in training; <= 0 is
+      dropless.
+    eval_capacity_factor: expert capacity factor without dropout (eval);
+      <= 0 is dropless.
+    min_expert_capacity: smallest per-group expert capacity.
+    group_size: largest routing group in tokens; None routes each example as
+      its own group.
+    router_jitter_noise: multiplicative uniform noise on router inputs in
+      training (0 disables).
+    expert_mlp_dim: hidden width of each expert; None uses `mlp_dim`.
+    batch_prioritized_routing: when experts overflow, keep the tokens the
+      router is most confident about instead of the earliest ones.
   """
 
   vocab_size: int
@@ -76,6 +107,16 @@ class TransformerConfig:
   relative_attention_max_distance: int = 128
   float32_attention_logits: bool = True
   scan_layers: bool = False
+  num_experts: int = 0
+  num_selected_experts: int = 2
+  moe_layer_interval: int = 2
+  train_capacity_factor: float = 1.25
+  eval_capacity_factor: float = 2.0
+  min_expert_capacity: int = 4
+  group_size: int | None = None
+  router_jitter_noise: float = 0.0
+  expert_mlp_dim: int | None = None
+  batch_prioritized_routing: bool = False
 
   def __post_init__(self):
     positive = ("vocab_size", "emb_dim", "num_heads", "num_decoder_layers",
@@ -93,6 +134,41 @@ class TransformerConfig:
     if self.dtype not in _DTYPES:
       raise ValueError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
                        f"use one of {_DTYPES}.")
+    if self.num_experts < 0:
+      raise ValueError("TransformerConfig.num_experts must be >= 0 (0 is dense), got "
+                       f"{self.num_experts}.")
+    if self.num_experts:
+      self._validate_moe()
+
+  def _validate_moe(self) -> None:
+    """Checks the MoE fields; only called for MoE models."""
+    if not 1 <= self.num_selected_experts <= self.num_experts:
+      raise ValueError(
+          "TransformerConfig.num_selected_experts must be in [1, num_experts="
+          f"{self.num_experts}], got {self.num_selected_experts}.")
+    at_least_one = ("moe_layer_interval", "min_expert_capacity")
+    for name in at_least_one:
+      if getattr(self, name) < 1:
+        raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+    for name in ("group_size", "expert_mlp_dim"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
+        raise ValueError(
+            f"TransformerConfig.{name} must be >= 1 or None, got {getattr(self, name)}.")
+    if not 0.0 <= self.router_jitter_noise < 1.0:
+      raise ValueError("TransformerConfig.router_jitter_noise must be in [0, 1), got "
+                       f"{self.router_jitter_noise}.")
+    depths = {"num_encoder_layers": self.num_encoder_layers,
+              "num_decoder_layers": self.num_decoder_layers}
+    for name, depth in depths.items():
+      if self.scan_layers and depth % self.moe_layer_interval:
+        raise ValueError(
+            f"scan_layers=True scans blocks of moe_layer_interval={self.moe_layer_interval} "
+            f"layers, which must divide {name}={depth}; change one of them or set "
+            "scan_layers=False.")
+
+  def is_moe_layer(self, index: int) -> bool:
+    """Whether zero-based layer `index` of a stack has an MoE MLP."""
+    return self.num_experts > 0 and (index + 1) % self.moe_layer_interval == 0
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -112,11 +188,27 @@ def _attention(cfg: TransformerConfig, name: str) -> layers.MultiHeadDotProductA
       name=name)
 
 
-def _mlp_residual(cfg: TransformerConfig, x: Array, deterministic: bool) -> Array:
-  """Pre-norm gated-GELU MLP with a residual connection."""
+def _moe(cfg: TransformerConfig) -> moe.MoeLayer:
+  return moe.MoeLayer(
+      num_experts=cfg.num_experts, num_selected_experts=cfg.num_selected_experts,
+      expert_mlp_dim=cfg.expert_mlp_dim or cfg.mlp_dim,
+      train_capacity_factor=cfg.train_capacity_factor,
+      eval_capacity_factor=cfg.eval_capacity_factor,
+      min_expert_capacity=cfg.min_expert_capacity, group_size=cfg.group_size,
+      router_jitter_noise=cfg.router_jitter_noise,
+      batch_prioritized_routing=cfg.batch_prioritized_routing, dtype=cfg.compute_dtype,
+      dropout_rate=cfg.dropout_rate, name="moe")
+
+
+def _mlp_residual(cfg: TransformerConfig, x: Array, deterministic: bool,
+                  use_moe: bool = False) -> Array:
+  """Pre-norm gated-GELU MLP (dense or MoE) with a residual connection."""
   y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
-  y = layers.MlpBlock(mlp_dim=cfg.mlp_dim, dtype=cfg.compute_dtype,
-                      dropout_rate=cfg.dropout_rate, name="mlp")(y, deterministic)
+  if use_moe:
+    y = _moe(cfg)(y, deterministic)
+  else:
+    y = layers.MlpBlock(mlp_dim=cfg.mlp_dim, dtype=cfg.compute_dtype,
+                        dropout_rate=cfg.dropout_rate, name="mlp")(y, deterministic)
   x = x + _dropout(cfg, y, deterministic)
   return nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
 
@@ -127,10 +219,12 @@ class EncoderLayer(nn.Module):
   Attributes:
     config: model sizes.
     scanned: return `(x, None)` as `nn.scan` expects of a carry function.
+    use_moe: replace the MLP with an MoE layer.
   """
 
   config: TransformerConfig
   scanned: bool = False
+  use_moe: bool = False
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None, bias: Array,
@@ -150,7 +244,7 @@ class EncoderLayer(nn.Module):
     y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_attention_layer_norm")(x)
     y = _attention(cfg, "attention")(y, y, mask, bias, deterministic)
     x = x + _dropout(cfg, y, deterministic)
-    x = _mlp_residual(cfg, x, deterministic)
+    x = _mlp_residual(cfg, x, deterministic, self.use_moe)
     return (x, None) if self.scanned else x
 
 
@@ -160,10 +254,12 @@ class DecoderLayer(nn.Module):
   Attributes:
     config: model sizes.
     scanned: return `(x, None)` as `nn.scan` expects of a carry function.
+    use_moe: replace the MLP with an MoE layer.
   """
 
   config: TransformerConfig
   scanned: bool = False
+  use_moe: bool = False
 
   @nn.compact
   def __call__(self, x: Array, encoded: Array | None, self_mask: Array,
@@ -192,7 +288,7 @@ class DecoderLayer(nn.Module):
       y = _attention(cfg, "encoder_decoder_attention")(y, encoded, cross_mask, None,
                                                        deterministic)
       x = x + _dropout(cfg, y, deterministic)
-    x = _mlp_residual(cfg, x, deterministic)
+    x = _mlp_residual(cfg, x, deterministic, self.use_moe)
     return (x, None) if self.scanned else x
 
 
@@ -215,8 +311,11 @@ def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers:
   """
   if not cfg.scan_layers:
     for i in range(num_layers):
-      x = layer_cls(config=cfg, name=f"layers_{i}")(x, *shared_args)
+      x = layer_cls(config=cfg, use_moe=cfg.is_moe_layer(i), name=f"layers_{i}")(
+          x, *shared_args)
     return x
+  if cfg.num_experts:
+    return _scan_moe_blocks(layer_cls, cfg, num_layers, x, *shared_args)
   scanned_cls = nn.scan(
       layer_cls,
       variable_axes={"params": 0},
@@ -225,6 +324,44 @@ def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers:
       length=num_layers,
       metadata_params={nn.PARTITION_NAME: ax.LAYERS})
   x, _ = scanned_cls(config=cfg, scanned=True, name="layers")(x, *shared_args)
+  return x
+
+
+class _MoeBlock(nn.Module):
+  """`moe_layer_interval` layers whose last one is sparse: the unit that a
+  scanned MoE stack repeats, since dense and MoE layers differ in params.
+
+  Attributes:
+    layer_cls: EncoderLayer or DecoderLayer.
+    config: model sizes.
+  """
+
+  layer_cls: type[nn.Module]
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, *shared_args) -> tuple[Array, None]:
+    interval = self.config.moe_layer_interval
+    for j in range(interval):
+      x = self.layer_cls(config=self.config, use_moe=j == interval - 1,
+                         name=f"layers_{j}")(x, *shared_args)
+    return x, None
+
+
+def _scan_moe_blocks(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers: int,
+                     x: Array, *shared_args) -> Array:
+  """`nn.scan` over `num_layers / moe_layer_interval` blocks of layers.
+
+  The MoE layers' sown statistics gain a leading blocks axis, like params.
+  """
+  scanned_cls = nn.scan(
+      _MoeBlock,
+      variable_axes={"params": 0, "intermediates": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast,) * len(shared_args),
+      length=num_layers // cfg.moe_layer_interval,
+      metadata_params={nn.PARTITION_NAME: ax.LAYERS})
+  x, _ = scanned_cls(layer_cls=layer_cls, config=cfg, name="layers")(x, *shared_args)
   return x
 
 
