@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 MODEL_DIR ?= runs/pretrain
-TRAIN_GIN ?= gin/pretrain_dense.gin
+TRAIN_GIN ?= gin/pretrain_moe.gin
 PYTEST_ARGS ?=
 
 .PHONY: install train test bench lint clean

@@ -187,3 +187,39 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
   wi = next(l for l in info.splitlines() if "encoder/layers_0/mlp/wi_0/kernel" in l)
   assert "logical ('embed', 'mlp') partition ('fsdp', 'model')" in wi
   assert "Mesh: {'data': 1, 'fsdp': 4, 'expert': 1, 'seq': 1, 'model': 2}" in info
+
+
+def test_moe_headline_logs_expert_metrics(tmp_path):
+  model_dir = tmp_path / "moe"
+  out = run_cli(["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
+                 f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-4000:]
+  for tag in ("experts/auxiliary_loss", "experts/router_z_loss",
+              "experts/fraction_tokens_left_behind", "experts/expert_usage",
+              "experts/router_confidence"):
+    assert sorted(scalars(str(model_dir / "train"), tag)) == [2, 4], tag
+  info = (model_dir / "model-info.txt").read_text()
+  assert "encoder/layers_1/moe/wi_0 " in info and "'expert', 'embed', 'expert_mlp'" in info
+
+
+def test_expert_parallel_preset_on_eight_devices(tmp_path):
+  model_dir = tmp_path / "ep"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE,
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  args = ["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
+          "--gin_file=gin/partitioning/expert_parallel.gin", f"--gin.MODEL_DIR='{model_dir}'",
+          "--gin.NUM_EXPERT_PARTITIONS=4", "--gin.BATCH_SIZE=8"]
+  out = subprocess.run([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  wi = next(l for l in (model_dir / "model-info.txt").read_text().splitlines()
+            if "encoder/layers_1/moe/wi_0 " in l)
+  assert "partition ('expert', None, 'model')" in wi
+  # 6 experts cannot split over 4 devices: one line, exit 2, nothing written.
+  bad = subprocess.run([os.path.join(BIN, "t5lite-train"), *args[:-3],
+                        f"--gin.MODEL_DIR='{tmp_path / 'bad'}'", "--gin.NUM_EXPERT_PARTITIONS=4",
+                        "--gin.BATCH_SIZE=8", "--gin.NUM_EXPERTS=6"],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+  assert bad.returncode == 2
+  assert "num_experts=6" in bad.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "bad").exists()

@@ -16,7 +16,8 @@ BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
             "gin/runs/pretrain.gin": ["gin/models/t5_tiny.gin"],
             "gin/runs/eval.gin": ["gin/models/t5_tiny.gin"],
             **{f"gin/partitioning/{n}.gin": ["gin/pretrain_dense.gin"]
-               for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")}}
+               for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")},
+            "gin/partitioning/expert_parallel.gin": ["gin/pretrain_moe.gin"]}
 
 
 @pytest.fixture(autouse=True)
