@@ -82,3 +82,14 @@ def test_schedules():
   assert jnp.isclose(cos(60), 0.55, atol=1e-6)  # halfway through the cosine
   rs = optimizers.rsqrt_with_warmup(2.0, warmup_steps=100)
   assert jnp.isclose(rs(1), 0.2) and jnp.isclose(rs(400), 0.1)
+
+
+def test_expert_weight_statistics_keep_the_expert_axis():
+  params = {"wi": jnp.zeros((8, 128, 384))}
+  axes = {"wi": P("expert", "embed", "expert_mlp")}
+  tx = optimizers.adafactor(1e-2)
+  state = jax.eval_shape(lambda: TrainState.create(params, tx))
+  logical = state_logical_axes(state, axes)
+  pairs = _leaves_with_shapes(TrainState.create(params, tx).opt_state, logical.opt_state)
+  assert ((8, 128), P("expert", "embed")) in pairs       # rows: the largest dim reduced
+  assert ((8, 384), P("expert", "expert_mlp")) in pairs  # columns
