@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/checkpoint_blocking.py
 
 lint: install
 	$(BIN)/ruff check t5lite tests benchmarks

@@ -9,6 +9,9 @@ from anywhere. This is the only module that imports gin.
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import os
 import re
 import sys
@@ -98,7 +101,12 @@ def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
 
 
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
-  """Parses files then bindings; include statements resolve via the search paths."""
+  """Parses files then bindings; include statements resolve via the search paths.
+
+  Raises:
+    ValueError: a file is missing, or the config names an unknown configurable,
+      parameter or module alias (the message suggests the closest valid name).
+  """
   import gin
   for path in search_paths:
     gin.add_config_file_search_path(path)
@@ -112,8 +120,124 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   try:
     gin.parse_config_files_and_bindings(
         resolved, [*BINDINGS_HEADER, *bindings] if bindings else [], finalize_config=True)
+  except (ValueError, AttributeError, NameError) as error:
+    hint = _gin_name_hint(str(error))
+    if hint is not None:
+      raise ValueError(hint) from error
+    if isinstance(error, ValueError) or not _is_gin_selector_error(str(error)):
+      raise
+    # Gin reports an unresolvable name as AttributeError/NameError; it is
+    # still a typo in the user's config, so it takes the user-error path.
+    raise ValueError(str(error)) from error
   finally:
     root.setLevel(level)
+
+
+# The first line of gin 0.5.0's messages for a name it cannot find.
+_UNKNOWN_PARAMETER = re.compile(
+    r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'\.")
+_UNRESOLVED_SELECTOR = re.compile(
+    r"Couldn't resolve selector ([\w.]+); .* has no attribute (\w+)\.")
+_NO_CONFIGURABLE = re.compile(r"No configurable matching '([\w.]+)'\.")
+_NOT_IMPORTED = re.compile(r"'(\w+)' was not provided by an import statement\.")
+_FILE_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
+
+
+def _is_gin_selector_error(message: str) -> bool:
+  first = message.splitlines()[0] if message else ""
+  return bool(_UNRESOLVED_SELECTOR.fullmatch(first) or _NOT_IMPORTED.fullmatch(first))
+
+
+def _gin_name_hint(message: str) -> str | None:
+  """Gin's unknown-name error rewritten to name the closest valid name.
+
+  Args:
+    message: the text of the error gin raised while parsing.
+
+  Returns:
+    The new message, or None when the error is not about an unknown name or
+    the hint cannot be built (the caller then keeps gin's own message).
+  """
+  try:
+    first = message.splitlines()[0]
+    if match := _UNKNOWN_PARAMETER.fullmatch(first):
+      hint = _unknown_parameter_hint(*match.groups())
+    elif match := _UNRESOLVED_SELECTOR.fullmatch(first):
+      hint = _unknown_configurable_hint(match.group(1), match.group(2))
+    elif match := _NO_CONFIGURABLE.fullmatch(first):
+      hint = _unknown_configurable_hint(match.group(1), match.group(1).split(".")[-1])
+    elif match := _NOT_IMPORTED.fullmatch(first):
+      hint = _unknown_alias_hint(match.group(1), message)
+    else:
+      return None
+  except Exception:  # noqa: BLE001 - a hint must never hide the real error
+    return None
+  return f"{hint}{_location(message)}"
+
+
+def _unknown_parameter_hint(selector: str, name: str) -> str:
+  valid = _parameter_names(_resolve(selector))
+  return (f"Unknown parameter '{name}' of {selector}{_did_you_mean(name, valid)} "
+          f"Valid: {', '.join(valid)}.")
+
+
+def _unknown_configurable_hint(selector: str, missing: str) -> str:
+  parts = selector.split(".")
+  at = parts.index(missing)
+  parent = _resolve(".".join(parts[:at]))
+  names = _public_callables(parent)
+  candidates = [".".join([*parts[:at], n, *parts[at + 1:]]) for n in names]
+  return f"Unknown configurable '{selector}'{_did_you_mean(selector, candidates)}"
+
+
+def _unknown_alias_hint(alias: str, message: str) -> str:
+  if _location(message):  # a gin file: only its own imports count
+    return f"'{alias}' was not imported by this gin file; add its import statement."
+  aliases = sorted(_header_aliases())
+  return (f"Unknown module '{alias}' in a binding{_did_you_mean(alias, aliases)} "
+          f"Bindings may use: {', '.join(aliases)}.")
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+  close = difflib.get_close_matches(name, candidates, n=1)
+  return f"; did you mean '{close[0]}'?" if close else "."
+
+
+def _location(message: str) -> str:
+  match = _FILE_LOCATION.search(message)
+  return f" (line {match.group(2)} of {match.group(1)})" if match else ""
+
+
+def _header_aliases() -> dict[str, str]:
+  """Alias -> module for the imports in BINDINGS_HEADER, e.g. train_lib -> t5lite.train."""
+  aliases = {}
+  for line in BINDINGS_HEADER:
+    match = re.fullmatch(r"from (t5lite\S*) import (\w+)(?: as (\w+))?", line)
+    if match:
+      aliases[match.group(3) or match.group(2)] = f"{match.group(1)}.{match.group(2)}"
+  return aliases
+
+
+def _resolve(selector: str) -> object:
+  """The object 'alias.Name[.attr]' names, with the shipped gin files' aliases."""
+  alias, *attrs = selector.split(".")
+  target = importlib.import_module(_header_aliases()[alias])
+  for attr in attrs:
+    target = getattr(target, attr)
+  return target
+
+
+def _parameter_names(fn_or_cls: object) -> list[str]:
+  keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return [p.name for p in inspect.signature(fn_or_cls).parameters.values() if p.kind in keyword]
+
+
+def _public_callables(owner: object) -> list[str]:
+  # A module's own functions and classes, not the names it imported.
+  home = getattr(owner, "__name__", None) if inspect.ismodule(owner) else None
+  return sorted(name for name, value in vars(owner).items()
+                if not name.startswith("_") and callable(value)
+                and (home is None or getattr(value, "__module__", None) == home))
 
 
 def write_operative_config(model_dir: str) -> None:

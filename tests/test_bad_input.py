@@ -56,3 +56,27 @@ def test_restore_path_that_does_not_exist(tmp_path):
                 cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-2000:]
   assert "No checkpoint found under restore path" in _last_line(out)
+
+
+def test_feature_lengths_missing_a_feature(tmp_path):
+  model_dir = tmp_path / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                 "--gin.TASK_FEATURE_LENGTHS={'inputs': 32}"], cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  line = _last_line(out)
+  assert "task_feature_lengths keys ['inputs'] do not match the output features" in line
+  assert "'t5lite_span_corruption': ['inputs', 'targets']" in line
+  assert not model_dir.exists()
+
+
+def test_batch_not_divisible_by_data_parallel_size(tmp_path, monkeypatch):
+  # run_cli passes this process's environment on: 8 fake CPU devices there.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  model_dir = tmp_path / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.BATCH_SIZE=6"],
+                cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  line = _last_line(out)
+  assert "Batch size 6 must be a positive multiple of the data-parallel size 8" in line
+  assert "change BATCH_SIZE or the mesh" in line
+  assert not model_dir.exists()
