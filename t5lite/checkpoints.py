@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
 from etils import epath
@@ -87,14 +89,36 @@ class SaveCheckpointConfig:
 class RestoreCheckpointConfig:
   """Where to restore from when MODEL_DIR has no checkpoint yet.
 
+  A checkpoint in MODEL_DIR always wins, so a restarted run (fine-tune
+  included) resumes its own full state; this config is read only when
+  MODEL_DIR has none.
+
   Attributes:
     path: a checkpoints directory (mode 'latest') or one step directory such
-      as `.../checkpoints/1000` (mode 'specific').
+      as `.../checkpoints/1000` (mode 'specific'); None restores nothing.
     mode: 'latest' or 'specific'.
+    params_only: take only the parameters from `path` (fine-tuning): the step
+      and the optimizer state start fresh, at step 0.
+    assignment_map: ordered (regex, replacement) pairs that choose the
+      checkpoint parameter each model parameter is read from. Paths are
+      '/'-joined, like 'encoder/layers_0/mlp/wi_0/kernel'. The first regex
+      that matches the whole model path (`re.fullmatch`) gives the
+      checkpoint path `match.expand(replacement)` (so `\\1` and `\\g<name>`
+      work); a None replacement keeps the parameter's fresh init. A path no
+      regex matches is read from the same path. Needs params_only.
+    fallback_to_scratch: parameters with no counterpart in the checkpoint
+      keep their fresh init instead of failing. Needs params_only.
+    strict: a shape mismatch between a parameter and its checkpoint array is
+      an error; False keeps the fresh init of the parameter and logs a
+      warning. Needs params_only.
   """
 
   path: str | None = None
   mode: str = "latest"
+  params_only: bool = False
+  assignment_map: Sequence[tuple[str, str | None]] = ()
+  fallback_to_scratch: bool = False
+  strict: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +131,8 @@ def validate_config(config: CheckpointConfig) -> None:
   """Cheap checks before anything is compiled or written.
 
   Raises:
-    ValueError: a non-positive period or keep, or an unknown restore mode.
+    ValueError: a non-positive period or keep, an unknown restore mode, or
+      params-only options that are malformed or set without params_only.
   """
   save = config.save
   if save is not None:
@@ -122,9 +147,29 @@ def validate_config(config: CheckpointConfig) -> None:
     if save.dtype is not None and save.dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"Checkpoint dtype '{save.dtype}' is not supported; use float32, "
                        "bfloat16 or float16.")
-  if config.restore is not None and config.restore.mode not in ("latest", "specific"):
-    raise ValueError(
-        f"Unknown restore mode '{config.restore.mode}'; use 'latest' or 'specific'.")
+  if config.restore is not None:
+    _validate_restore(config.restore)
+
+
+def _validate_restore(restore: RestoreCheckpointConfig) -> None:
+  if restore.mode not in ("latest", "specific"):
+    raise ValueError(f"Unknown restore mode '{restore.mode}'; use 'latest' or 'specific'.")
+  if not restore.params_only:
+    used = [name for name, on in (("assignment_map", bool(restore.assignment_map)),
+                                  ("fallback_to_scratch", restore.fallback_to_scratch),
+                                  ("strict=False", not restore.strict)) if on]
+    if used:
+      raise ValueError(f"Restore option(s) {', '.join(used)} only apply to a params-only "
+                       "restore; set RestoreCheckpointConfig.params_only = True.")
+  for entry in restore.assignment_map:
+    if (not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str)
+        or not isinstance(entry[1], (str, type(None)))):
+      raise ValueError(f"assignment_map entry {entry!r} must be a (regex, replacement or None) "
+                       "pair of strings.")
+    try:
+      re.compile(entry[0])
+    except re.error as e:
+      raise ValueError(f"assignment_map regex '{entry[0]}' does not compile: {e}.") from None
 
 
 def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only: bool = False
@@ -297,3 +342,138 @@ def abstract_with_shardings(state_dict: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying the shardings restore should produce."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state_dict, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsRestorePlan:
+  """Which model parameters a params-only restore reads, and from where.
+
+  Attributes:
+    state_dir: the checkpoint step's state item directory.
+    step: the checkpoint's step.
+    sources: model parameter path -> checkpoint parameter path, for every
+      parameter read from the checkpoint.
+    fresh: model parameter paths that keep their fresh init.
+    warnings: one line per parameter kept fresh for a shape mismatch.
+  """
+
+  state_dir: str
+  step: int
+  sources: Mapping[str, str]
+  fresh: tuple[str, ...]
+  warnings: tuple[str, ...]
+
+
+def checkpoint_param_path(path: str, assignment_map: Sequence[tuple[str, str | None]]
+                          ) -> str | None:
+  """The checkpoint parameter a model parameter is read from; None keeps it fresh.
+
+  The first regex of `assignment_map` that matches all of `path` decides;
+  a path none matches maps to itself.
+  """
+  for pattern, replacement in assignment_map:
+    match = re.fullmatch(pattern, path)
+    if match:
+      return None if replacement is None else match.expand(replacement)
+  return path
+
+
+def _describe(path: str, source: str) -> str:
+  return path if source == path else f"{path} (read from {source})"
+
+
+def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
+                        ) -> ParamsRestorePlan:
+  """Matches the model's parameters with a checkpoint's, reading metadata only.
+
+  Args:
+    config: an explicit restore with `params_only`.
+    abstract_params: the model's parameter tree (arrays or ShapeDtypeStructs).
+
+  Returns:
+    The plan `load_params` carries out.
+
+  Raises:
+    ValueError: no checkpoint at `config.path`; or, naming up to five
+      parameters, a shape mismatch (when `strict`) or a parameter missing from
+      the checkpoint (unless `fallback_to_scratch`).
+  """
+  directory, step = resolve_restore_path(config)
+  state_dir = os.path.join(directory, str(step), _ITEM)
+  metadata = ocp.StandardCheckpointer().metadata(state_dir).item_metadata
+  saved = _shapes_by_path(metadata["params"])
+  sources, fresh, warnings, problems = {}, [], [], []
+  for path, shape in sorted(_shapes_by_path(abstract_params).items()):
+    source = checkpoint_param_path(path, config.assignment_map)
+    if source is None:
+      fresh.append(path)
+    elif source not in saved:
+      fresh.append(path)
+      if not config.fallback_to_scratch:
+        problems.append(f"{_describe(path, source)} is missing from the checkpoint")
+    elif saved[source] != shape:
+      fresh.append(path)
+      line = f"{_describe(path, source)} is {saved[source]} in the checkpoint but {shape} in the model"
+      (problems if config.strict else warnings).append(line)
+    else:
+      sources[path] = source
+  if problems:
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    raise ValueError(
+        f"Checkpoint {os.path.dirname(state_dir)} does not fit this model's parameters: "
+        + "; ".join(problems[:5]) + more + ". Map names with assignment_map, or set "
+        "strict=False (shape mismatches) / fallback_to_scratch=True (missing parameters) "
+        "to keep their fresh init.")
+  warnings = tuple(f"Warning: keeping the fresh init of {w}." for w in warnings)
+  return ParamsRestorePlan(state_dir, step, sources, tuple(fresh), warnings)
+
+
+def _nested(paths: Sequence[str], leaf: Any) -> dict[str, Any]:
+  tree: dict[str, Any] = {}
+  for path in paths:
+    *parents, name = path.split("/")
+    node = tree
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[name] = leaf
+  return tree
+
+
+def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndarray]:
+  """Reads only the named checkpoint parameters, as numpy arrays on the host."""
+  if not paths:
+    return {}
+  item = {"params": _nested(paths, 0)}
+  restore_args = {"params": _nested(paths, ocp.RestoreArgs(restore_type=np.ndarray))}
+  restored = ocp.PyTreeCheckpointer().restore(
+      state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                             partial_restore=True))
+  flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
+  return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def load_params(plan: ParamsRestorePlan, params: Any) -> Any:
+  """Replaces the planned parameters of a freshly initialised tree.
+
+  Each array read is cast to the parameter's dtype and placed with its
+  sharding; the rest of `params` is returned as it is.
+
+  Args:
+    plan: from `plan_params_restore`.
+    params: the fresh parameter tree of jax.Arrays.
+
+  Returns:
+    A tree like `params`.
+  """
+  host = _read_host_params(plan.state_dir, sorted(set(plan.sources.values())))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+
+  def place(path: Any, fresh: jax.Array) -> jax.Array:
+    source = plan.sources.get("/".join(_key_name(k) for k in path))
+    if source is None:
+      return fresh
+    value = np.asarray(host[source]).astype(fresh.dtype)
+    # Every process holds the whole host copy and hands over its own shards.
+    return jax.make_array_from_callback(value.shape, fresh.sharding, lambda index: value[index])
+
+  return jax.tree_util.tree_unflatten(treedef, [place(p, leaf) for p, leaf in flat])

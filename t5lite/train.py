@@ -286,12 +286,23 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
 
   The data continues where the restored step left it: from the saved
   iterator when the checkpoint has one, else by skipping that many batches.
+  A params-only restore (fine-tuning) starts from the fresh init, replaces
+  the parameters the checkpoint provides and starts at step 0; the latest
+  checkpoint in model_dir still wins over it, so a restarted fine-tune
+  resumes its own full state.
 
   Returns:
     (state, step it starts from).
+
+  Raises:
+    ValueError: the explicit restore path does not fit the model (checked
+      before anything is written to model_dir).
   """
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
+  # Init under jit with output shardings: a large model is created already
+  # split over the devices, never whole on one.
+  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
   latest = checkpointer.latest_step()
   unfinished = [s for s in checkpointer.unfinished_steps() if latest is None or s > latest]
   if unfinished:
@@ -304,15 +315,21 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
     if data is not None and not with_data:
       data.skip(latest)
     return specs.abstract.restore_state(restored), latest
+  if restore_cfg is not None and restore_cfg.path and restore_cfg.params_only:
+    plan = ckpt_lib.plan_params_restore(restore_cfg, specs.abstract.params)  # before init
+    for warning in plan.warnings:
+      metrics_lib.log_line(warning)
+    state = init(jax.random.key(seed))
+    state = state.replace(params=ckpt_lib.load_params(plan, state.params))
+    metrics_lib.log_line(f"Restored {len(plan.sources)} parameters from step {plan.step} of "
+                         f"{restore_cfg.path} ({len(plan.fresh)} kept fresh); starting at step 0")
+    return state, 0
   if restore_cfg is not None and restore_cfg.path:
     restored, step = ckpt_lib.restore_from_path(restore_cfg, abstract)
     metrics_lib.log_line(f"Restored step {step} from {restore_cfg.path}")
     if data is not None:
       data.skip(step)
     return specs.abstract.restore_state(restored), step
-  # Init under jit with output shardings: a large model is created already
-  # split over the devices, never whole on one.
-  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
   return init(jax.random.key(seed)), 0
 
 

@@ -1,0 +1,35 @@
+"""Save policies as a user sees them on disk."""
+
+import os
+
+import numpy as np
+
+from test_cli import TINY, run_cli
+
+
+def _read(step_dir):
+  import orbax.checkpoint as ocp
+  return ocp.StandardCheckpointer().restore(os.path.join(step_dir, "state"))
+
+
+def test_keep_keep_every_n_dtype_and_resume(tmp_path):
+  model_dir = tmp_path / "run"
+  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=7",
+          "--gin.CHECKPOINT_PERIOD=1", "--gin.EVAL_PERIOD=7", "--gin.STATS_PERIOD=1",
+          "--gin.CHECKPOINTS_TO_KEEP=2",
+          "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3",
+          "--gin.checkpoints.SaveCheckpointConfig.dtype='bfloat16'"]
+  out = run_cli(args, cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  # Newest two (6, 7) plus every multiple of 3, kept forever (3, 6).
+  assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 6, 7]
+  state = _read(model_dir / "checkpoints" / "7")
+  kernel = state["params"]["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+  assert kernel.dtype.name == "bfloat16"
+  moments = [x for x in __import__("jax").tree.leaves(state["opt_state"])
+             if np.ndim(x) > 0 and x.dtype.kind == "f"]
+  assert moments and all(x.dtype == np.float32 for x in moments)  # optimizer state stays f32
+  # A bfloat16 checkpoint resumes into the float32 run.
+  more = run_cli([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], cwd=str(tmp_path))
+  assert more.returncode == 0, more.stderr[-3000:]
+  assert "Restoring step 7" in more.stdout and "step 8/8" in more.stdout
