@@ -8,7 +8,7 @@ MODEL_DIR ?= runs/pretrain
 TRAIN_GIN ?= gin/pretrain_moe.gin
 PYTEST_ARGS ?=
 
-.PHONY: install train test bench lint clean
+.PHONY: install train test test-fast bench lint clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests $(PYTEST_ARGS)
+
+# Unit tests only, for quick loops; `make test` runs everything.
+test-fast: install
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/run.py

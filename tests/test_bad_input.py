@@ -5,6 +5,11 @@ import os
 
 from test_cli import TINY, run_cli
 
+import pytest
+
+# End-to-end: real processes and training runs (part of `make test`).
+pytestmark = pytest.mark.slow
+
 
 def _snapshot(root):
   """Every file under root with its content hash and modification time."""

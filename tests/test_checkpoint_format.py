@@ -7,6 +7,11 @@ import sys
 
 from test_cli import REPO, TINY, run_cli
 
+import pytest
+
+# End-to-end: real processes and training runs (part of `make test`).
+pytestmark = pytest.mark.slow
+
 
 def test_docs_snippet_reads_params_without_t5lite(tmp_path):
   model_dir = tmp_path / "run"

@@ -6,6 +6,11 @@ import numpy as np
 
 from test_cli import TINY, run_cli
 
+import pytest
+
+# End-to-end: real processes and training runs (part of `make test`).
+pytestmark = pytest.mark.slow
+
 
 def _read(step_dir):
   import orbax.checkpoint as ocp

@@ -83,9 +83,10 @@ def test_gin_file_resolves_from_package_root_anywhere(tmp_path, clean_gin):
 
 
 # ---------------------------------------------------------------------------
-# End to end
+# End to end (marked slow: real processes; part of `make test`)
 
 
+@pytest.mark.slow
 def test_train_writes_outputs_then_resumes(tmp_path):
   model_dir = tmp_path / "run"
   # A relative MODEL_DIR, as in `make train`.
@@ -124,6 +125,7 @@ def test_train_writes_outputs_then_resumes(tmp_path):
   assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["4", "6", "8"]
 
 
+@pytest.mark.slow
 def test_bad_periods_exit_2_and_write_nothing(tmp_path):
   model_dir = tmp_path / "run"
   out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=3"],
@@ -134,6 +136,7 @@ def test_bad_periods_exit_2_and_write_nothing(tmp_path):
   assert not model_dir.exists()
 
 
+@pytest.mark.slow
 def test_unknown_task_is_one_line(tmp_path):
   out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
                  "--gin.MIXTURE_OR_TASK_NAME='t5lite_span_corruptoin'"], cwd=str(tmp_path))
@@ -142,6 +145,7 @@ def test_unknown_task_is_one_line(tmp_path):
   assert "t5lite_span_corruptoin" in last and "t5lite_span_corruption" in last
 
 
+@pytest.mark.slow
 def test_decoder_only_lm_trains(tmp_path):
   model_dir = tmp_path / "lm"
   out = run_cli(["--gin_file=gin/models/decoder_only_tiny.gin", "--gin_file=gin/runs/pretrain.gin",
@@ -163,6 +167,7 @@ testing.register_in_memory_task(
 """
 
 
+@pytest.mark.slow
 def test_user_task_from_user_module(tmp_path):
   (tmp_path / "my_tasks.py").write_text(USER_TASKS)
   model_dir = tmp_path / "user"
@@ -174,6 +179,7 @@ def test_user_task_from_user_module(tmp_path):
   assert "my_copy_task" in os.listdir(model_dir / "training_eval")
 
 
+@pytest.mark.slow
 def test_partitioning_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "tp"
   env_args = dict(XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -189,6 +195,7 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
   assert "Mesh: {'data': 1, 'fsdp': 4, 'expert': 1, 'seq': 1, 'model': 2}" in info
 
 
+@pytest.mark.slow
 def test_moe_headline_logs_expert_metrics(tmp_path):
   model_dir = tmp_path / "moe"
   out = run_cli(["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
@@ -202,6 +209,7 @@ def test_moe_headline_logs_expert_metrics(tmp_path):
   assert "encoder/layers_1/moe/wi_0 " in info and "'expert', 'embed', 'expert_mlp'" in info
 
 
+@pytest.mark.slow
 def test_expert_parallel_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "ep"
   env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE,

@@ -6,6 +6,11 @@ import subprocess
 
 from test_cli import BIN, JAX_CACHE, TINY, run_cli
 
+import pytest
+
+# End-to-end: real processes and training runs (part of `make test`).
+pytestmark = pytest.mark.slow
+
 
 def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path):
   model_dir = tmp_path / "run"

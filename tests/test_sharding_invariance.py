@@ -17,6 +17,9 @@ import pytest
 
 from t5lite import testing
 
+# End-to-end: real processes on 8 fake devices (part of `make test`).
+pytestmark = pytest.mark.slow
+
 PRESETS = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")
 TOLERANCE = 1e-5  # float reassociation only; never raise it to make a test pass
 
