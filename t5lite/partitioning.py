@@ -332,12 +332,9 @@ class Partitioner:
           f"Batch size {batch_size} must be a positive multiple of the "
           f"data-parallel size {divisor} (mesh {dict(self.mesh.shape)}); change "
           "BATCH_SIZE or the mesh.")
-    slices = _host_batch_slices(self.batch_sharding(1), batch_size)
-    mine = slices[jax.process_index()]
-    size = mine[1] - mine[0]
-    first = all(slices[p] != mine for p in sorted(slices) if p < jax.process_index())
-    return DataLayout(batch_size=batch_size, shard_id=mine[0] // size,
-                      num_shards=batch_size // size, is_first_host_in_replica_set=first)
+    slices = host_batch_slices(self.batch_sharding(1), batch_size)
+    return layout_for_process(slices, jax.process_index(), batch_size)
+
 
   def partition(self, fn: Callable[..., Any], in_shardings: Any, out_shardings: Any,
                 donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = ()
@@ -371,12 +368,37 @@ def _lower_in(partitioner: Partitioner, jitted: Any, *args: Any, **kwargs: Any) 
     return jitted.lower(*args, **kwargs)
 
 
-def _host_batch_slices(sharding: NamedSharding, batch_size: int) -> dict[int, tuple[int, int]]:
-  """Maps each process to the [start, stop) rows of the batch its devices hold."""
+def layout_for_process(slices: Mapping[int, tuple[int, int]], process: int,
+                       batch_size: int) -> DataLayout:
+  """The DataLayout of `process` given every process's rows of the batch.
+
+  Processes holding the same rows (model-parallel replicas) get the same
+  shard id, so they read the same examples; only the lowest-numbered one is
+  first in its replica set.
+  """
+  mine = slices[process]
+  size = mine[1] - mine[0]
+  first = all(slices[p] != mine for p in sorted(slices) if p < process)
+  return DataLayout(batch_size=batch_size, shard_id=mine[0] // size,
+                    num_shards=batch_size // size, is_first_host_in_replica_set=first)
+
+
+def host_batch_slices(sharding: NamedSharding, batch_size: int,
+                      process_of: Callable[[jax.Device], int] | None = None
+                      ) -> dict[int, tuple[int, int]]:
+  """Maps each process to the [start, stop) rows of the batch its devices hold.
+
+  Args:
+    sharding: sharding of a [batch] array.
+    batch_size: global batch size.
+    process_of: device -> process index; `device.process_index` by default
+      (tests pass another to lay one process's devices out as several hosts).
+  """
+  process_of = process_of or (lambda d: d.process_index)
   rows: dict[int, list[tuple[int, int]]] = {}
   for device, index in sharding.devices_indices_map((batch_size,)).items():
     start, stop, _ = index[0].indices(batch_size)
-    rows.setdefault(device.process_index, []).append((start, stop))
+    rows.setdefault(process_of(device), []).append((start, stop))
   slices = {}
   for process, spans in rows.items():
     start, stop = min(s for s, _ in spans), max(e for _, e in spans)

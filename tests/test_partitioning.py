@@ -161,3 +161,33 @@ def test_indivisible_parameter_dimension_is_named():
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
                                              XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   assert out.returncode == 0, out.stderr[-3000:]
+
+
+_TWO_HOST_LAYOUTS = textwrap.dedent("""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from t5lite import partitioning
+    host = lambda d: d.id // 4  # 8 fake devices seen as 2 hosts x 4
+    def layouts(shape):
+      mesh = partitioning.create_mesh(shape)
+      sharding = NamedSharding(mesh, P(partitioning.BATCH_MESH_AXES))
+      slices = partitioning.host_batch_slices(sharding, 16, host)
+      return [partitioning.layout_for_process(slices, p, 16) for p in (0, 1)]
+    # Data parallel across hosts: different shards.
+    a, b = layouts({'data': 2, 'model': 4})
+    assert (a.shard_id, a.num_shards, b.shard_id, b.num_shards) == (0, 2, 1, 2), (a, b)
+    assert a.is_first_host_in_replica_set and b.is_first_host_in_replica_set
+    # Hosts that differ only along a non-batch axis (seq) hold the same rows:
+    # the same shard, and only host 0 is first in the replica set.
+    a, b = layouts({'seq': 2, 'model': 4})
+    assert (a.shard_id, a.num_shards) == (b.shard_id, b.num_shards) == (0, 1), (a, b)
+    assert a.is_first_host_in_replica_set and not b.is_first_host_in_replica_set
+    print('ok')
+""")
+
+
+def test_hosts_holding_the_same_rows_read_the_same_shard():
+  out = subprocess.run([sys.executable, "-c", _TWO_HOST_LAYOUTS], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                             XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert out.returncode == 0, out.stderr[-3000:]
