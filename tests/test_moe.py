@@ -255,11 +255,10 @@ def test_validate_expert_partitioning():
 # Rules under which the experts' inputs shard as (expert, groups over data):
 # the expert rule must come before the batch rule, and the batch needs a
 # fallback without `expert` for arrays that already use it.
+# The standard rules, which list `expert` before `batch` for expert parallelism.
 _EXPERT_RULES = """
-from t5lite import axis_names as ax, partitioning
-RULES = partitioning.standard_logical_axis_rules(additional_rules=[
-    (ax.EXPERT, 'expert'), (ax.BATCH, ('data', 'fsdp', 'expert')),
-    (ax.BATCH, ('data', 'fsdp'))])
+from t5lite import partitioning
+RULES = partitioning.standard_logical_axis_rules()
 """
 
 _SHARDING_SCRIPT = _EXPERT_RULES + """
@@ -270,7 +269,7 @@ from t5lite.models import moe
 
 out = {}
 x = jnp.ones((16, 12, 8))
-for rules_name, rules in (('standard', None), ('expert', RULES)):
+for rules_name, rules in (('standard', RULES),):
   p = partitioning.Partitioner(mesh_shape={'data': 2, 'expert': 4}, logical_axis_rules=rules)
   for experts in (4, 8):
     layer = moe.MoeLayer(num_experts=experts, num_selected_experts=2, expert_mlp_dim=16)
@@ -280,8 +279,6 @@ for rules_name, rules in (('standard', None), ('expert', RULES)):
         'spec': [str(a) for a in sh['wi_0'].spec],
         'shard': sh['wi_0'].shard_shape((experts, 8, 16)),
         'router': [str(a) for a in sh['router']['kernel'].spec]}
-  if rules is None:
-    continue  # the current standard rules are only checked for the weights
   variables = jax.jit(layer.init, out_shardings=p.logical_to_sharding(
       nn.get_partition_spec(boxed)))(jax.random.key(0), x)
   with p.activate():
@@ -301,14 +298,14 @@ def _result(proc):
 
 def test_expert_weights_and_tokens_shard_over_the_expert_axis():
   out = _result(testing.run_with_devices(_SHARDING_SCRIPT))
-  for rules in ("standard", "expert"):
+  for rules in ("standard",):
     assert out[f"{rules}/4"]["spec"] == ["expert", "None", "model"]
     assert out[f"{rules}/4"]["shard"] == [1, 8, 16]  # one expert per device
     assert out[f"{rules}/8"]["shard"] == [2, 8, 16]  # two experts per device
     assert out[f"{rules}/8"]["router"] == ["None", "None"]  # replicated
   # Tokens travel to their experts' devices by all-to-all, and no device
   # gathers the whole batch.
-  assert out["expert/collectives"] == ["all-to-all"]
+  assert out["standard/collectives"] == ["all-to-all"]
 
 
 _TRAIN_SCRIPT = _EXPERT_RULES + """
