@@ -22,9 +22,9 @@ EXPERT logical axis and the experts' inputs are constrained to
 device keeps its own experts, and the transpose from slots to experts'
 layout becomes an all-to-all that moves tokens to them (and back after).
 This needs rules in which EXPERT claims the `expert` mesh axis before BATCH
-does, with a BATCH fallback to the remaining batch axes, e.g. ahead of the
-standard rules: (expert, 'expert'), (batch, ('data', 'fsdp', 'expert')),
-(batch, ('data', 'fsdp')).
+does, with a BATCH fallback to the remaining batch axes, as
+`partitioning.standard_logical_axis_rules` has: (expert, 'expert'),
+(batch, ('data', 'fsdp', 'expert')), (batch, ('data', 'fsdp')).
 
 Overflow priority. When more tokens choose an expert than it has slots,
 slots go first to top-1 choices of every token, then to top-2 choices, and
