@@ -42,10 +42,17 @@ def fetch(per_step: Sequence[Mapping[str, jax.Array]]) -> list[dict[str, float]]
   return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(per_step))]
 
 
+# Per-step counts that a stats period reports as totals rather than means
+# (trainer.optimizer_metrics produces them).
+SUMMED_METRICS = frozenset({"optimizer/skipped_steps"})
+
+
 def average(fetched: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """Per-period scalars: the mean of each metric, the sum of `SUMMED_METRICS`."""
   if not fetched:
     return {}
-  return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+  reduce = lambda k: np.sum if k in SUMMED_METRICS else np.mean  # noqa: E731
+  return {k: float(reduce(k)([m[k] for m in fetched])) for k in fetched[0]}
 
 
 def mean_metrics(per_step: Sequence[Mapping[str, jax.Array]]) -> dict[str, float]:

@@ -1,19 +1,48 @@
-"""Optimizer and learning-rate recipes built from optax.
+"""Learners (optax transformations) and learning-rate schedules, gin-bindable.
 
-Every optimizer wraps its learning rate with `optax.inject_hyperparams`, so
-the rate applied at a step lives in the optimizer state and the trainer logs
-exactly that value (`learning_rate_from_state`).
+Learners: `adafactor` (the T5X default), `adamw` (decoupled weight decay) and
+`adastar` (factored second moment, update clipping, update momentum). Wrappers
+that compose with any of them: `clip_by_global_norm`,
+`skip_and_clip_by_global_norm` (drops steps whose gradient norm is too large
+and counts them) and `scale_updates_by_path` (muP-style per-parameter update
+scales chosen by regular expressions on parameter paths).
+
+Every learner wraps its learning rate with `optax.inject_hyperparams`, so the
+rate applied at a step lives in the optimizer state and the trainer logs
+exactly that value (`learning_rate_from_state`), whatever wraps the learner.
+
+Weight decay follows the learning rate: a step subtracts
+`lr(step) * weight_decay * scale(path) * param` (the torch.optim.AdamW and
+optax.adamw convention), so it decays with the schedule and is proportional
+to the peak rate. For a decay of `d` per step at the peak, set
+`weight_decay = d / peak_learning_rate`.
+
+Parameter paths are '/'-joined keys such as
+'encoder/layers_0/attention/query/kernel'. Path rules are ordered
+(regex, scale) pairs (or a dict in that order); the first regex that matches
+the whole path (`re.fullmatch`) gives the scale, and paths no regex matches get
+1.0. A regex that matches no parameter at all is an error, so a typo cannot
+silently do nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 Schedule = optax.Schedule
+PathScales = Union[Mapping[str, float], Sequence[tuple[str, float]]]
+
+
+# ---------------------------------------------------------------------------
+# Schedules
 
 
 def rsqrt_with_warmup(base_learning_rate: float = 1.0, warmup_steps: int = 10_000,
@@ -36,33 +65,346 @@ def rsqrt_with_warmup(base_learning_rate: float = 1.0, warmup_steps: int = 10_00
   return schedule
 
 
-def warmup_cosine(peak_value: float, warmup_steps: int, decay_steps: int,
-                  alpha: float = 0.0, begin_value: float = 0.0) -> Schedule:
+def _resolve_warmup(warmup_steps: int | None, warmup_fraction: float | None,
+                    decay_steps: int | None) -> tuple[int, int]:
+  """(warmup_steps, decay_steps) of `warmup_cosine`, checked."""
+  if decay_steps is None:
+    raise ValueError("warmup_cosine needs decay_steps, the step the cosine ends at "
+                     "(usually %TRAIN_STEPS).")
+  if (warmup_steps is None) == (warmup_fraction is None):
+    raise ValueError(
+        f"warmup_cosine got warmup_steps={warmup_steps} and warmup_fraction={warmup_fraction}; "
+        "set exactly one of them (bind the other to None).")
+  if warmup_fraction is not None:
+    if not 0.0 <= warmup_fraction < 1.0:
+      raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1).")
+    warmup_steps = int(warmup_fraction * decay_steps)
+  if warmup_steps < 0 or decay_steps <= warmup_steps:
+    raise ValueError(f"decay_steps={decay_steps} must exceed warmup_steps={warmup_steps} "
+                     "(and warmup_steps must not be negative).")
+  return warmup_steps, decay_steps
+
+
+def warmup_cosine(peak_value: float, warmup_steps: int | None = None,
+                  decay_steps: int | None = None, alpha: float = 0.0, begin_value: float = 0.0,
+                  warmup_fraction: float | None = None) -> Schedule:
   """Linear warmup from `begin_value` to `peak_value`, then cosine to alpha * peak.
 
   Args:
     peak_value: rate at the end of warmup.
     warmup_steps: length of the linear warmup.
-    decay_steps: total steps of warmup + decay; the rate stays at the final
-      value afterwards.
+    decay_steps: total steps of warmup + decay (required); the rate stays at
+      the final value afterwards.
     alpha: final rate as a fraction of `peak_value`.
     begin_value: rate at step 0.
+    warmup_fraction: instead of `warmup_steps`, the warmup as a fraction of
+      `decay_steps` (rounded down), so one recipe fits runs of any length.
 
   Returns:
     A schedule mapping step -> learning rate.
 
   Raises:
-    ValueError: decay_steps not greater than warmup_steps.
+    ValueError: decay_steps missing or not greater than the warmup, both or
+      neither of warmup_steps and warmup_fraction set, a fraction outside
+      [0, 1), or a negative alpha.
   """
-  if decay_steps <= warmup_steps:
-    raise ValueError(f"decay_steps={decay_steps} must exceed warmup_steps={warmup_steps}.")
+  warmup_steps, decay_steps = _resolve_warmup(warmup_steps, warmup_fraction, decay_steps)
+  if alpha < 0:
+    raise ValueError(f"alpha={alpha} (final rate as a fraction of the peak) must be >= 0.")
   return optax.warmup_cosine_decay_schedule(
       init_value=begin_value, peak_value=peak_value, warmup_steps=warmup_steps,
       decay_steps=decay_steps, end_value=alpha * peak_value)
 
 
 def constant(value: float) -> Schedule:
+  """The same rate at every step."""
   return optax.constant_schedule(value)
+
+
+def linear_decay(init_value: float, end_value: float, decay_steps: int,
+                 begin_step: int = 0) -> Schedule:
+  """`init_value` until `begin_step`, then linear to `end_value` over `decay_steps`.
+
+  As a factor of `multiply_schedules` this is T5X's linear cooldown, e.g.
+  `linear_decay(1.0, 0.0, 1000, begin_step=9000)`.
+
+  Args:
+    init_value: value up to `begin_step`.
+    end_value: value from `begin_step + decay_steps` on.
+    decay_steps: length of the linear part.
+    begin_step: step the decay starts at.
+
+  Returns:
+    A schedule mapping step -> value.
+
+  Raises:
+    ValueError: decay_steps not positive or begin_step negative.
+  """
+  if decay_steps <= 0 or begin_step < 0:
+    raise ValueError(f"linear_decay needs decay_steps > 0 and begin_step >= 0, got "
+                     f"decay_steps={decay_steps}, begin_step={begin_step}.")
+  return optax.linear_schedule(init_value, end_value, decay_steps, transition_begin=begin_step)
+
+
+def multiply_schedules(schedules: Sequence[Schedule | float]) -> Schedule:
+  """The product of schedules (and constant factors), step by step.
+
+  From gin: `LEARNING_RATE = @optimizers.multiply_schedules()` with
+  `optimizers.multiply_schedules.schedules = [@optimizers.rsqrt_with_warmup(),
+  @optimizers.linear_decay()]`.
+
+  Args:
+    schedules: schedules or numbers; at least one.
+
+  Returns:
+    A schedule mapping step -> product of the factors at that step.
+
+  Raises:
+    ValueError: no factors, or a factor that is neither callable nor a number.
+  """
+  factors = list(schedules)
+  if not factors:
+    raise ValueError("multiply_schedules needs at least one schedule or number.")
+  for factor in factors:
+    if not callable(factor) and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
+      raise ValueError(f"multiply_schedules factor {factor!r} must be a schedule or a number.")
+
+  def schedule(step):
+    value = jnp.ones((), jnp.float32)
+    for factor in factors:
+      value = value * (factor(step) if callable(factor) else factor)
+    return value
+  return schedule
+
+
+# ---------------------------------------------------------------------------
+# Per-parameter rules by path
+
+
+class _PathRule(NamedTuple):
+  pattern: re.Pattern
+  scale: float
+
+
+def _compile_path_rules(rules: PathScales | None, argument: str) -> tuple[_PathRule, ...]:
+  """Checks and compiles (regex, scale) pairs; `argument` names them in errors."""
+  if rules is None:
+    return ()
+  entries = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+  compiled = []
+  for entry in entries:
+    if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+      raise ValueError(f"{argument} entry {entry!r} must be a (regex, scale) pair, e.g. "
+                       "('.*/mlp/.*', 0.5).")
+    regex, scale = entry
+    try:
+      pattern = re.compile(regex)
+    except re.error as e:
+      raise ValueError(f"{argument} regex '{regex}' does not compile: {e}.") from None
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+        or not math.isfinite(scale) or scale < 0):
+      raise ValueError(f"{argument} scale for '{regex}' must be a finite number >= 0, "
+                       f"got {scale!r}.")
+    compiled.append(_PathRule(pattern, float(scale)))
+  return tuple(compiled)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _paths(tree: Any) -> list[str]:
+  return ["/".join(_key_name(k) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _scales_by_path(tree: Any, rules: tuple[_PathRule, ...]) -> Any:
+  """A tree like `tree` of Python floats: the first matching rule's scale, else 1."""
+  def scale(path, _):
+    name = "/".join(_key_name(k) for k in path)
+    return next((r.scale for r in rules if r.pattern.fullmatch(name)), 1.0)
+  return jax.tree_util.tree_map_with_path(scale, tree)
+
+
+def _check_rules_match(tree: Any, rules: tuple[_PathRule, ...], argument: str) -> None:
+  paths = _paths(tree)
+  for rule in rules:
+    if not any(rule.pattern.fullmatch(p) for p in paths):
+      examples = ", ".join(f"'{p}'" for p in paths[:3])
+      raise ValueError(
+          f"{argument} regex '{rule.pattern.pattern}' matches no parameter; it must match a "
+          f"whole '/'-joined path such as {examples}.")
+
+
+def _add_scaled_decayed_weights(weight_decay: float, rules: tuple[_PathRule, ...]
+                                ) -> optax.GradientTransformation:
+  """updates + weight_decay * scale(path) * params (before the learning rate)."""
+  def init(params):
+    _check_rules_match(params, rules, "weight_decay_scales")
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    if not weight_decay:
+      return updates, state
+    if params is None:
+      raise ValueError("Weight decay needs the parameters: call update(grads, state, params).")
+    scales = _scales_by_path(params, rules)
+    updates = jax.tree.map(lambda u, p, s: u + (weight_decay * s) * p, updates, params, scales)
+    return updates, state
+  return optax.GradientTransformation(init, update)
+
+
+def _scale_by_path(rules: tuple[_PathRule, ...]) -> optax.GradientTransformation:
+  def init(params):
+    _check_rules_match(params, rules, "scale_updates_by_path scales")
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    scales = _scales_by_path(updates, rules)
+    return jax.tree.map(lambda u, s: u * s if s != 1.0 else u, updates, scales), state
+  return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------
+# Adastar
+
+
+class AdastarState(NamedTuple):
+  """State of `scale_by_adastar`; None fields are disabled moments.
+
+  v_row / v_col hold factored statistics and v the full second moment; each
+  parameter uses one kind and keeps (1,)-shaped placeholders in the other
+  (as optax's adafactor), so every field mirrors the parameter tree.
+  """
+
+  count: jax.Array
+  gradient_ema: Any
+  v_row: Any
+  v_col: Any
+  v: Any
+  update_ema: Any
+
+
+def _factored_dims(shape: Sequence[int], factored: bool, min_dim_size_to_factor: int
+                   ) -> tuple[int, int] | None:
+  """(second largest, largest) dimension, as optax's adafactor; None: not factored."""
+  if not factored or len(shape) < 2:
+    return None
+  order = np.argsort(shape)
+  if shape[order[-2]] < min_dim_size_to_factor:
+    return None
+  return int(order[-2]), int(order[-1])
+
+
+def _init_second_moment(param: jax.Array, dims: tuple[int, int] | None) -> tuple:
+  placeholder = jnp.zeros((1,), param.dtype)
+  if dims is None:
+    return placeholder, placeholder, jnp.zeros_like(param)
+  d1, d0 = dims
+  shape = np.asarray(param.shape)
+  return (jnp.zeros(tuple(np.delete(shape, d0)), param.dtype),
+          jnp.zeros(tuple(np.delete(shape, d1)), param.dtype), placeholder)
+
+
+def _update_second_moment(g2: jax.Array, v_row: jax.Array, v_col: jax.Array, v: jax.Array,
+                          decay: float, dims: tuple[int, int] | None) -> tuple:
+  """EMA of squared gradients; returns (estimate shaped like g2, v_row, v_col, v)."""
+  if dims is None:
+    v = decay * v + (1 - decay) * g2
+    return v, v_row, v_col, v
+  d1, d0 = dims
+  v_row = decay * v_row + (1 - decay) * jnp.mean(g2, axis=d0)  # d0 (largest) reduced
+  v_col = decay * v_col + (1 - decay) * jnp.mean(g2, axis=d1)  # d1 reduced
+  row_mean = jnp.mean(v_row, axis=d1 - 1 if d1 > d0 else d1, keepdims=True)
+  # Rank-one reconstruction: row statistics times column statistics over their mean.
+  estimate = jnp.expand_dims(v_row / row_mean, d0) * jnp.expand_dims(v_col, d1)
+  return estimate, v_row, v_col, v
+
+
+def _ema(values: Any, accumulator: Any, decay: float) -> Any:
+  return jax.tree.map(lambda x, a: decay * a + (1 - decay) * x, values, accumulator)
+
+
+def _debiased(tree: Any, decay: float, count: jax.Array) -> Any:
+  correction = 1 - decay ** count.astype(jnp.float32)
+  return jax.tree.map(lambda x: x / correction.astype(x.dtype), tree)
+
+
+def _clip_by_block_rms(tree: Any, threshold: float | None) -> Any:
+  """Scales each leaf so that its root-mean-square is at most `threshold`."""
+  if threshold is None:
+    return tree
+
+  def clip(u):
+    rms = jnp.sqrt(jnp.mean(jnp.square(u)))
+    return u / jnp.maximum(1.0, rms / threshold)
+  return jax.tree.map(clip, tree)
+
+
+def _pick(results: Any, like: Any, index: int) -> Any:
+  """Field `index` of a tree of tuples whose outer structure is `like`'s."""
+  return jax.tree.map(lambda _, r: r[index], like, results)
+
+
+def scale_by_adastar(gradient_ema_decay: float | None = None, gradient_ema_debias: bool = True,
+                     gradient_square_ema_decay: float = 0.99,
+                     gradient_square_ema_debias: bool = True, eps: float = 0.0,
+                     eps_square: float = 1e-30, update_clipping_threshold: float | None = 1.0,
+                     update_ema_decay: float | None = 0.9, update_ema_debias: bool = False,
+                     factored: bool = True, min_dim_size_to_factor: int = 128
+                     ) -> optax.GradientTransformation:
+  """The normalised, clipped and smoothed update of `adastar` (no rate, no decay).
+
+  m = ema(g), v = ema(g^2 + eps_square) (factored for large matrices),
+  u = clip_rms(m / (sqrt(v) + eps)), update = ema(u); each EMA optionally
+  debiased. Arguments are those of `adastar`.
+  """
+  def init(params):
+    moments = jax.tree.map(lambda p: _init_second_moment(
+        p, _factored_dims(p.shape, factored, min_dim_size_to_factor)), params)
+    zeros = lambda decay: None if decay is None else jax.tree.map(jnp.zeros_like, params)
+    return AdastarState(jnp.zeros([], jnp.int32), zeros(gradient_ema_decay),
+                        _pick(moments, params, 0), _pick(moments, params, 1),
+                        _pick(moments, params, 2), zeros(update_ema_decay))
+
+  def second_moment(grads, state, count):
+    def leaf(g, v_row, v_col, v):
+      dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
+      return _update_second_moment(jnp.square(g) + eps_square, v_row, v_col, v,
+                                   gradient_square_ema_decay, dims)
+    results = jax.tree.map(leaf, grads, state.v_row, state.v_col, state.v)
+    estimate = _pick(results, grads, 0)
+    if gradient_square_ema_debias:
+      estimate = _debiased(estimate, gradient_square_ema_decay, count)
+    return estimate, [_pick(results, grads, i) for i in (1, 2, 3)]
+
+  def update(grads, state, params=None):
+    del params
+    count = optax.safe_int32_increment(state.count)
+    gradient_ema, smoothed = state.gradient_ema, grads
+    if gradient_ema_decay is not None:
+      gradient_ema = smoothed = _ema(grads, state.gradient_ema, gradient_ema_decay)
+      if gradient_ema_debias:
+        smoothed = _debiased(gradient_ema, gradient_ema_decay, count)
+    estimate, (v_row, v_col, v) = second_moment(grads, state, count)
+    raw = jax.tree.map(lambda m, s: m / (jnp.sqrt(s) + eps), smoothed, estimate)
+    updates = update_ema = _clip_by_block_rms(raw, update_clipping_threshold)
+    if update_ema_decay is not None:
+      update_ema = updates = _ema(updates, state.update_ema, update_ema_decay)
+      if update_ema_debias:
+        updates = _debiased(update_ema, update_ema_decay, count)
+    else:
+      update_ema = None
+    return updates, AdastarState(count, gradient_ema, v_row, v_col, v, update_ema)
+  return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------
+# Learners
 
 
 def _inject_learning_rate(factory, learning_rate, **kwargs) -> optax.GradientTransformation:
@@ -73,6 +415,19 @@ def _inject_learning_rate(factory, learning_rate, **kwargs) -> optax.GradientTra
   return optax.inject_hyperparams(inner)(learning_rate=learning_rate)
 
 
+def _check_decay(value: float | None, name: str) -> None:
+  if value is not None and not 0.0 <= value < 1.0:
+    raise ValueError(f"{name}={value} must be in [0, 1) (or None where allowed).")
+
+
+def _check_positive(value: float | None, name: str, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if value is None or not value > 0:
+    raise ValueError(f"{name}={value} must be a positive number"
+                     + (" (or None to disable)." if allow_none else "."))
+
+
 def adafactor(learning_rate: Schedule | float,
               decay_rate: float = 0.8,
               clipping_threshold: float | None = 1.0,
@@ -80,7 +435,21 @@ def adafactor(learning_rate: Schedule | float,
               min_dim_size_to_factor: int = 128,
               momentum: float | None = None,
               weight_decay_rate: float | None = None) -> optax.GradientTransformation:
-  """Adafactor (T5X default optimizer) with an injected learning rate."""
+  """Adafactor (T5X default optimizer) with an injected learning rate.
+
+  Args:
+    learning_rate: schedule or constant.
+    decay_rate: second-moment decay is 1 - (t + 1)^-decay_rate at count t.
+    clipping_threshold: clip each parameter's update to this RMS; None disables.
+    multiply_by_parameter_scale: scale updates by max(RMS(param), 1e-3).
+    min_dim_size_to_factor: factor the second moment of matrices whose two
+      largest dimensions are at least this.
+    momentum: optional EMA decay of the updates.
+    weight_decay_rate: optional decay added after the learning rate (optax).
+
+  Returns:
+    An optax transformation.
+  """
   return _inject_learning_rate(
       optax.adafactor, learning_rate, decay_rate=decay_rate,
       clipping_threshold=clipping_threshold,
@@ -89,28 +458,233 @@ def adafactor(learning_rate: Schedule | float,
       weight_decay_rate=weight_decay_rate)
 
 
+def _adamw_with_rate(learning_rate, *, b1, b2, eps, weight_decay, rules):
+  return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+                     _add_scaled_decayed_weights(weight_decay, rules),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
 def adamw(learning_rate: Schedule | float,
           b1: float = 0.9,
           b2: float = 0.95,
           eps: float = 1e-8,
           weight_decay: float = 0.0,
-          clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+          clip_norm: float | None = 1.0,
+          weight_decay_scales: PathScales | None = None) -> optax.GradientTransformation:
   """AdamW with decoupled weight decay, optionally clipped by global norm.
+
+  update = -lr(t) * (m_hat / (sqrt(v_hat) + eps) + weight_decay * scale(path) * param):
+  the decay is decoupled from Adam's normalisation and multiplied by the
+  learning rate (see the module docstring).
 
   Args:
     learning_rate: schedule or constant.
-    b1, b2, eps: Adam moment decays and epsilon.
-    weight_decay: decoupled decay, multiplied by the learning rate (optax).
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the root of the debiased second moment.
+    weight_decay: decoupled decay, multiplied by the learning rate.
     clip_norm: clip gradients to this global norm first; None disables.
+    weight_decay_scales: (regex, scale) rules multiplying `weight_decay` per
+      parameter, e.g. [('.*/scale', 0.0)] to leave norm scales undecayed.
 
   Returns:
     An optax transformation.
+
+  Raises:
+    ValueError: decays outside [0, 1), a negative weight decay or eps, a
+      non-positive clip_norm, or malformed weight_decay_scales.
   """
-  inner = _inject_learning_rate(
-      optax.adamw, learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+  _check_decay(b1, "b1")
+  _check_decay(b2, "b2")
+  if eps < 0 or weight_decay < 0:
+    raise ValueError(f"eps={eps} and weight_decay={weight_decay} must be >= 0.")
+  _check_positive(clip_norm, "clip_norm", allow_none=True)
+  rules = _compile_path_rules(weight_decay_scales, "weight_decay_scales")
+  inner = _inject_learning_rate(_adamw_with_rate, learning_rate, b1=b1, b2=b2, eps=eps,
+                                weight_decay=weight_decay, rules=rules)
   if clip_norm is None:
     return inner
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+
+
+def _adastar_with_rate(learning_rate, *, weight_decay, rules, **adastar_kwargs):
+  return optax.chain(scale_by_adastar(**adastar_kwargs),
+                     _add_scaled_decayed_weights(weight_decay, rules),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def adastar(learning_rate: Schedule | float, *,
+            gradient_ema_decay: float | None = None,
+            gradient_ema_debias: bool = True,
+            gradient_square_ema_decay: float = 0.99,
+            gradient_square_ema_debias: bool = True,
+            eps: float = 0.0,
+            eps_square: float = 1e-30,
+            update_clipping_threshold: float | None = 1.0,
+            update_ema_decay: float | None = 0.9,
+            update_ema_debias: bool = False,
+            factored: bool = True,
+            min_dim_size_to_factor: int = 128,
+            weight_decay: float = 0.0,
+            weight_decay_scales: PathScales | None = None) -> optax.GradientTransformation:
+  """Adastar: Adam and Adafactor as special cases of one update rule.
+
+  m = ema(g, gradient_ema_decay)            (or g when None)
+  v = ema(g^2 + eps_square, gradient_square_ema_decay), factored into row
+      and column statistics for parameters whose two largest dimensions are
+      at least `min_dim_size_to_factor` (Adafactor's memory saving)
+  u = m / (sqrt(v) + eps), each parameter's u clipped to RMS
+      `update_clipping_threshold`
+  s = ema(u, update_ema_decay)              (momentum on updates; u when None)
+  update = -lr(t) * (s + weight_decay * scale(path) * param)
+
+  Each EMA can be debiased (divided by 1 - decay^t). Adam is
+  (gradient_ema_decay=b1, update_ema_decay=None, factored=False, no
+  clipping); Adafactor with momentum is (gradient_ema_decay=None,
+  update_ema_decay=b1, update_ema_debias=False).
+
+  Args:
+    learning_rate: schedule or constant.
+    gradient_ema_decay: first-moment decay; None uses the raw gradient.
+    gradient_ema_debias: debias the first moment.
+    gradient_square_ema_decay: second-moment decay.
+    gradient_square_ema_debias: debias the second moment.
+    eps: added to sqrt(v).
+    eps_square: added to g^2 before averaging.
+    update_clipping_threshold: per-parameter RMS limit of u; None disables.
+    update_ema_decay: momentum on the clipped updates; None disables.
+    update_ema_debias: debias that momentum.
+    factored: allow factored second moments.
+    min_dim_size_to_factor: see above.
+    weight_decay: decoupled decay, multiplied by the learning rate.
+    weight_decay_scales: (regex, scale) rules multiplying `weight_decay`.
+
+  Returns:
+    An optax transformation.
+
+  Raises:
+    ValueError: decays outside [0, 1), negative eps or weight decay, a
+      non-positive threshold or min_dim_size_to_factor, or malformed rules.
+  """
+  for name, value in (("gradient_ema_decay", gradient_ema_decay),
+                      ("gradient_square_ema_decay", gradient_square_ema_decay),
+                      ("update_ema_decay", update_ema_decay)):
+    _check_decay(value, name)
+  if eps < 0 or eps_square < 0 or weight_decay < 0:
+    raise ValueError(f"eps={eps}, eps_square={eps_square} and weight_decay={weight_decay} "
+                     "must be >= 0.")
+  _check_positive(update_clipping_threshold, "update_clipping_threshold", allow_none=True)
+  _check_positive(min_dim_size_to_factor, "min_dim_size_to_factor")
+  return _inject_learning_rate(
+      _adastar_with_rate, learning_rate, weight_decay=weight_decay,
+      rules=_compile_path_rules(weight_decay_scales, "weight_decay_scales"),
+      gradient_ema_decay=gradient_ema_decay, gradient_ema_debias=gradient_ema_debias,
+      gradient_square_ema_decay=gradient_square_ema_decay,
+      gradient_square_ema_debias=gradient_square_ema_debias, eps=eps, eps_square=eps_square,
+      update_clipping_threshold=update_clipping_threshold, update_ema_decay=update_ema_decay,
+      update_ema_debias=update_ema_debias, factored=factored,
+      min_dim_size_to_factor=min_dim_size_to_factor)
+
+
+# ---------------------------------------------------------------------------
+# Wrappers that compose with any learner
+
+
+def clip_by_global_norm(optimizer: optax.GradientTransformation, max_norm: float
+                        ) -> optax.GradientTransformation:
+  """Scales gradients down to global norm `max_norm` before `optimizer`.
+
+  Raises:
+    ValueError: max_norm not positive.
+  """
+  _check_positive(max_norm, "max_norm")
+  return optax.chain(optax.clip_by_global_norm(max_norm), optimizer)
+
+
+class SkipClipState(NamedTuple):
+  """State of `skip_and_clip_by_global_norm`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, untouched by skipped steps.
+    skipped_steps: int32 count of steps skipped since the start of training.
+  """
+
+  inner_state: Any
+  skipped_steps: jax.Array
+
+
+def skip_and_clip_by_global_norm(optimizer: optax.GradientTransformation, drop_norm: float,
+                                 max_norm: float | None = None) -> optax.GradientTransformation:
+  """Skips steps with exploding gradients; clips the others.
+
+  A step whose gradient global norm exceeds `drop_norm` (or is not finite)
+  returns zero updates and leaves the wrapped optimizer's state as it was,
+  so its schedule does not advance either; `skipped_steps` counts it and
+  the trainer logs `optimizer/skipped_steps`. Other steps are clipped to
+  global norm `max_norm` and passed to `optimizer`.
+
+  Args:
+    optimizer: the learner to protect.
+    drop_norm: gradient norm above which a step is skipped.
+    max_norm: clip kept steps to this global norm; None does not clip.
+
+  Returns:
+    An optax transformation whose state is a `SkipClipState`.
+
+  Raises:
+    ValueError: drop_norm or max_norm not positive.
+  """
+  _check_positive(drop_norm, "drop_norm")
+  _check_positive(max_norm, "max_norm", allow_none=True)
+
+  def init(params):
+    return SkipClipState(optimizer.init(params), jnp.zeros([], jnp.int32))
+
+  def update(grads, state, params=None):
+    norm = optax.global_norm(grads)
+    keep = jnp.isfinite(norm) & (norm <= drop_norm)
+    if max_norm is not None:
+      factor = jnp.minimum(1.0, max_norm / norm)
+      grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+    updates, inner_state = optimizer.update(grads, state.inner_state, params)
+    # Both branches are computed and one selected, which keeps the step a
+    # single straight-line program for the partitioner.
+    updates = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), updates)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), inner_state,
+                               state.inner_state)
+    skipped = state.skipped_steps + jnp.where(keep, 0, 1).astype(jnp.int32)
+    return updates, SkipClipState(inner_state, skipped)
+  return optax.GradientTransformation(init, update)
+
+
+def scale_updates_by_path(optimizer: optax.GradientTransformation, scales: PathScales
+                          ) -> optax.GradientTransformation:
+  """Multiplies the final updates of matching parameters (muP-style rates).
+
+  The scale multiplies everything `optimizer` would change the parameter
+  by, weight decay included, like a per-parameter learning rate. The logged
+  learning rate stays the unscaled one.
+
+  Args:
+    optimizer: any learner.
+    scales: (regex, scale) rules, e.g. {'.*attention/.*/kernel': 0.5,
+      '.*/mlp/.*/kernel': 0.5}; unmatched parameters keep scale 1.
+
+  Returns:
+    An optax transformation.
+
+  Raises:
+    ValueError: malformed rules (at construction) or a regex that matches no
+      parameter (at init).
+  """
+  rules = _compile_path_rules(scales, "scale_updates_by_path scales")
+  if not rules:
+    raise ValueError("scale_updates_by_path needs at least one (regex, scale) rule.")
+  return optax.chain(optimizer, _scale_by_path(rules))
+
+
+# ---------------------------------------------------------------------------
+# Reading the state
 
 
 def learning_rate_from_state(opt_state: Any) -> jax.Array:
@@ -128,3 +702,18 @@ def learning_rate_from_state(opt_state: Any) -> jax.Array:
     if injected(node) and "learning_rate" in node.hyperparams:
       return jnp.asarray(node.hyperparams["learning_rate"], jnp.float32)
   return jnp.asarray(jnp.nan, jnp.float32)
+
+
+def skipped_steps_from_state(opt_state: Any) -> jax.Array | None:
+  """Steps skipped so far by `skip_and_clip_by_global_norm` wrappers.
+
+  Args:
+    opt_state: state of an optimizer from this module.
+
+  Returns:
+    int32 scalar total; None when the optimizer skips no steps.
+  """
+  is_skip = lambda node: isinstance(node, SkipClipState)  # noqa: E731
+  counts = [node.skipped_steps for node in jax.tree.leaves(opt_state, is_leaf=is_skip)
+            if is_skip(node)]
+  return sum(counts[1:], counts[0]) if counts else None

@@ -97,6 +97,26 @@ def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
   return metrics
 
 
+def optimizer_metrics(old_opt_state: Any, new_opt_state: Any) -> Metrics:
+  """What the optimizer did this step: its learning rate and any skipped step.
+
+  Args:
+    old_opt_state: optimizer state before the update.
+    new_opt_state: optimizer state after it.
+
+  Returns:
+    {"learning_rate": rate applied}, plus "optimizer/skipped_steps" (1.0 when
+    `skip_and_clip_by_global_norm` dropped this step, else 0.0) for
+    optimizers that can skip; the stats period reports its sum.
+  """
+  metrics = {"learning_rate": optimizers.learning_rate_from_state(new_opt_state)}
+  before = optimizers.skipped_steps_from_state(old_opt_state)
+  if before is not None:
+    after = optimizers.skipped_steps_from_state(new_opt_state)
+    metrics["optimizer/skipped_steps"] = (after - before).astype(jnp.float32)
+  return metrics
+
+
 def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: int,
                num_microbatches: int | None) -> tuple[TrainState, Metrics]:
   """One optimizer update; pure, so the partitioner can jit and donate it."""
@@ -105,7 +125,7 @@ def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: i
   grads, loss, sums = accumulate_gradients(model, state.params, batch, rng, num_microbatches)
   new_state = state.apply_gradients(grads)
   metrics = summarize(loss, sums, model.loss_normalizer(batch))
-  metrics["learning_rate"] = optimizers.learning_rate_from_state(new_state.opt_state)
+  metrics.update(optimizer_metrics(state.opt_state, new_state.opt_state))
   metrics["num_tokens"] = sums.get("weight_sum", jnp.zeros((), jnp.float32))
   metrics["num_examples"] = sums.get("num_examples", jnp.zeros((), jnp.float32))
   return new_state, metrics
