@@ -324,6 +324,24 @@ def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
   return path, step
 
 
+def list_steps(path: str) -> tuple[str, list[int]]:
+  """The finished checkpoint steps under a model_dir or checkpoints directory.
+
+  Returns:
+    (checkpoints directory, ascending steps); no steps when there are none.
+  """
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, CHECKPOINTS_SUBDIR)):
+    path = os.path.join(path, CHECKPOINTS_SUBDIR)
+  if not os.path.isdir(path):
+    return path, []
+  manager = _manager(path, read_only=True)
+  try:
+    return path, sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
 def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> tuple[Any, int]:
   """Restores the state named by an explicit restore config.
 

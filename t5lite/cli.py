@@ -42,6 +42,7 @@ USER_ERROR_EXIT = 2
 # no file referenced that function.
 BINDINGS_HEADER = (
     "from __gin__ import dynamic_registration",
+    "from t5lite import actions",
     "from t5lite import checkpoints",
     "from t5lite import optimizers",
     "from t5lite import partitioning",

@@ -1,69 +1,301 @@
-"""`evaluate()` and `infer()`: the entry points of t5lite-eval and t5lite-infer."""
+"""`evaluate()` and `infer()`: the entry points of t5lite-eval and t5lite-infer.
+
+`evaluate` runs the inference evaluation of training (decode every example
+of the eval split, apply the tasks' seqio metrics) on one checkpoint, the
+latest, or every checkpoint of a directory, writing to the same places
+training does: `<output_dir>/inference_eval/<task>/` (TensorBoard) and
+`<output_dir>/inference_eval/*.jsonl`. Optionally it also computes the
+teacher-forced metrics (`training_eval/<task>/`).
+
+`infer` writes predictions for a task's split, or for a file of inputs, as
+JSONL.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+import seqio
 
 from t5lite import checkpoints as ckpt_lib
+from t5lite import inference
+from t5lite import metrics as metrics_lib
 from t5lite import train as train_lib
+from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
+
+EVALUATED_STEPS_FILE = "evaluated_steps.json"
+_MODES = ("specific", "latest", "all")
+
+
+def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list[int]]:
+  """(checkpoints directory, steps) named by the restore config.
+
+  Raises:
+    ValueError: no path, an unknown mode, or no checkpoint there.
+  """
+  if not cfg.path:
+    raise ValueError("No checkpoint to evaluate; set CHECKPOINT_PATH (e.g. "
+                     "--gin.CHECKPOINT_PATH=\"'<model_dir>/checkpoints'\").")
+  if cfg.mode not in _MODES:
+    raise ValueError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
+                     f"{list(_MODES)}.")
+  if cfg.mode != "all":
+    directory, step = ckpt_lib.resolve_restore_path(cfg)
+    return directory, [step]
+  directory, steps = ckpt_lib.list_steps(cfg.path)
+  if not steps:
+    raise ValueError(f"No checkpoint found under '{cfg.path}'.")
+  return directory, steps
+
+
+def _read_evaluated(output_dir: str) -> set[int]:
+  path = os.path.join(output_dir, inference.INFERENCE_EVAL_DIR, EVALUATED_STEPS_FILE)
+  if not os.path.exists(path):
+    return set()
+  with open(path) as f:
+    return set(json.load(f))
+
+
+def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
+  """Records evaluated steps (atomically, process 0 only)."""
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(output_dir, inference.INFERENCE_EVAL_DIR, EVALUATED_STEPS_FILE)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(sorted(steps), f)
+  os.replace(path + ".tmp", path)
+
+
+def _input_shapes(model: Any, lengths: Mapping[str, int]) -> tuple[dict, dict]:
+  """Model input shapes (batch 1) for the feature lengths, from one dummy example."""
+  converter = model.FEATURE_CONVERTER_CLS(pack=False)
+  dummy = inference.examples_from_texts(["x"], model.input_vocabulary)
+  spec = converter(dummy, dict(lengths)).element_spec
+  return ({k: (1,) + tuple(v.shape) for k, v in spec.items()},
+          {k: v.dtype.as_numpy_dtype for k, v in spec.items()})
+
+
+def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str, int],
+                     directory: str):
+  """Returns (params shardings, restore(step) -> params) for the checkpoints."""
+  specs, _ = train_lib.state_specs(model, partitioner, *_input_shapes(model, lengths))
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
+                                              specs.shardings.state_dict())
+
+  def restore(step: int) -> Any:
+    config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(directory, str(step)),
+                                              mode="specific")
+    return ckpt_lib.restore_from_path(config, abstract)[0]["params"]
+  return specs.shardings.params, restore
 
 
 def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner,
              restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig, output_dir: str,
-             trainer_cls: Any, eval_steps: int = 10) -> dict[str, float]:
-  """Teacher-forced metrics of one checkpoint, written as TensorBoard events.
+             train_eval_dataset_cfg: DatasetConfig | None = None,
+             trainer_cls: Any = None, eval_steps: int = 20,
+             num_examples: int | None = None) -> dict[int, dict[str, dict[str, float]]]:
+  """Inference metrics (and optionally teacher-forced ones) of checkpoints.
 
   Args:
-    model: the model the checkpoint was trained with.
-    dataset_cfg: evaluation data (usually the validation split).
-    partitioner: mesh and rules to restore and run on.
-    restore_checkpoint_cfg: which checkpoint ('latest' in a directory or a
-      'specific' step directory).
-    output_dir: events go to output_dir/training_eval/<task>/.
-    trainer_cls: compiles the eval step.
-    eval_steps: number of batches.
+    model: the model the checkpoints were trained with.
+    dataset_cfg: inference-eval data (usually the validation split, not
+      packed); `batch_size` is the global decode batch.
+    partitioner: mesh and rules to restore and run on (any mesh works: the
+      checkpoint is resharded on restore).
+    restore_checkpoint_cfg: `path` and `mode`: 'specific' (a step directory
+      such as `<model_dir>/checkpoints/1000`), 'latest' or 'all' (every
+      checkpoint under a model_dir or checkpoints directory; steps already
+      recorded in `inference_eval/evaluated_steps.json` are skipped).
+    output_dir: where results go (the training MODEL_DIR puts them next to
+      the ones training wrote).
+    train_eval_dataset_cfg: if set, also teacher-forced metrics on
+      `eval_steps` batches of it (needs `trainer_cls`).
+    trainer_cls: compiles the teacher-forced eval step.
+    eval_steps: batches of teacher-forced evaluation.
+    num_examples: inference-evaluate only the first this many examples.
 
   Returns:
-    The averaged metrics.
+    step -> task -> metric -> value, for the steps evaluated now.
 
   Raises:
-    ValueError: no checkpoint at the path, or an invalid dataset config.
+    ValueError: no checkpoint, an unknown mode, or an invalid dataset config,
+      before anything is written.
   """
   partitioner.validate()
-  layout = partitioner.get_data_layout(dataset_cfg.batch_size)
-  from t5lite.data import datasets
-  datasets.validate_dataset_config(dataset_cfg, num_shards=layout.num_shards)
-  ckpt_lib.validate_config(ckpt_lib.CheckpointConfig(restore=restore_checkpoint_cfg))
-  if not restore_checkpoint_cfg.path:
-    raise ValueError("No checkpoint to evaluate; set RestoreCheckpointConfig.path "
-                     "(e.g. --gin.CHECKPOINT_PATH=\"'<model_dir>/checkpoints'\").")
-  trainer = trainer_cls(model=model, partitioner=partitioner)
-  specs, _ = train_lib.state_specs(model, partitioner,
-                                   *train_lib.model_input_shapes(model, dataset_cfg))
-  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
-                                              specs.shardings.state_dict())
-  restored, step = ckpt_lib.restore_from_path(restore_checkpoint_cfg, abstract)
-  os.makedirs(output_dir, exist_ok=True)
-  evaluator = train_lib.TrainEvaluator(
-      model=model, cfg=dataset_cfg, partitioner=partitioner, trainer=trainer,
-      params_shardings=specs.shardings.params, eval_steps=eval_steps, model_dir=output_dir)
+  if dataset_cfg.pack:
+    raise ValueError("Inference evaluation decodes examples one by one; set "
+                     "infer_eval/DatasetConfig.pack = False.")
+  directory, steps = _steps_to_evaluate(restore_checkpoint_cfg)
+  done = _read_evaluated(output_dir) if restore_checkpoint_cfg.mode == "all" else set()
+  todo = [s for s in steps if s not in done]
+  if train_eval_dataset_cfg is not None and trainer_cls is None:
+    raise ValueError("Teacher-forced evaluation needs trainer_cls (e.g. @trainer.Trainer).")
+  datasets.validate_dataset_config(dataset_cfg, num_shards=partitioner.get_data_layout(
+      dataset_cfg.batch_size).num_shards)
+  params_shardings, restore = _params_restorer(model, partitioner,
+                                               dataset_cfg.task_feature_lengths, directory)
+  infer_eval = inference.InferenceEvaluator(
+      model=model, cfg=dataset_cfg, partitioner=partitioner,
+      params_shardings=params_shardings, output_dir=output_dir, num_examples=num_examples)
+  train_eval = None
+  if train_eval_dataset_cfg is not None:
+    train_eval = train_lib.TrainEvaluator(
+        model=model, cfg=train_eval_dataset_cfg, partitioner=partitioner,
+        trainer=trainer_cls(model=model, partitioner=partitioner),
+        params_shardings=params_shardings, eval_steps=eval_steps, model_dir=output_dir)
+  if len(todo) < len(steps):
+    metrics_lib.log_line(f"Skipping steps already evaluated: {sorted(set(steps) - set(todo))}")
+  results = {}
   try:
-    return evaluator.evaluate(step, restored["params"])
+    for step in todo:
+      params = restore(step)
+      results[step] = infer_eval.evaluate(step, params)
+      if train_eval is not None:
+        for task, metrics in train_eval.evaluate(step, params).items():
+          results[step].setdefault(task, {}).update(
+              {f"teacher_forced/{k}": v for k, v in metrics.items()})
+      done.add(step)
+      _mark_evaluated(output_dir, done)
   finally:
-    evaluator.close()
+    infer_eval.close()
+    if train_eval is not None:
+      train_eval.close()
     jax.effects_barrier()
+  return results
 
 
-def infer(**unused_kwargs: Any) -> None:
-  """Prediction needs a decoder, which this version does not ship yet.
+def _input_texts(path: str) -> list[str]:
+  """Inputs from a text file (one per line) or JSONL (an "inputs" field per line)."""
+  if not os.path.isfile(path):
+    raise ValueError(f"Input file '{path}' does not exist.")
+  with open(path) as f:
+    lines = [line.rstrip("\n") for line in f if line.strip()]
+  if not path.endswith(".jsonl"):
+    return lines
+  texts = []
+  for number, line in enumerate(lines, 1):
+    try:
+      texts.append(json.loads(line)["inputs"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+      raise ValueError(f"{path}:{number} is not a JSON object with an \"inputs\" field "
+                       f"({error}).") from None
+  return texts
+
+
+def _task_examples(name: str, split: str, lengths: Mapping[str, int], module: str | None,
+                   num_examples: int | None) -> list[tuple[str, Any]]:
+  """(task name, examples) for a task, or for each task of a mixture."""
+  provider = datasets.get_mixture_or_task(name, module)
+  tasks = seqio.get_subtasks(provider)
+  out = []
+  for task in tasks:
+    if split not in task.splits:
+      raise ValueError(f"Task '{task.name}' has no split '{split}'; it has {list(task.splits)}.")
+    ds = task.get_dataset(sequence_length=dict(lengths), split=split, shuffle=False,
+                          num_epochs=1)
+    out.append((task.name, ds.take(num_examples) if num_examples else ds))
+  return out
+
+
+def _text(example: Mapping[str, Any], key: str, vocabulary: seqio.Vocabulary) -> str:
+  if f"{key}_pretokenized" in example:
+    value = example[f"{key}_pretokenized"]
+    return value.decode() if isinstance(value, bytes) else str(value)
+  return vocabulary.decode([int(t) for t in example[key]])
+
+
+def _predict_examples(model: Any, runner: inference.BatchRunner, params: Any, examples: Any,
+                      lengths: Mapping[str, int]) -> list[tuple[str, float]]:
+  """Decoded predictions and their scores for unbatched token examples."""
+  converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
+  token_examples = examples.map(lambda ex: {k: ex[k] for k in ("inputs", "targets")})
+  features = converter(token_examples, dict(lengths)).enumerate()
+
+  def fn(p, batch):
+    tokens, aux = model.predict_batch_with_aux(p, batch)
+    return tokens, aux["scores"]
+  rows = runner.run("predict", fn, params, features)
+  vocabulary = model.output_vocabulary
+  return [(vocabulary.decode(inference._token_list(t)), float(s)) for _, (t, s) in rows]
+
+
+def infer(*, model: Any, partitioner: Partitioner,
+          restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig, output_dir: str,
+          task_feature_lengths: Mapping[str, int], batch_size: int,
+          mixture_or_task_name: str | None = None, split: str = "validation",
+          input_file: str | None = None, module: str | None = None,
+          num_examples: int | None = None) -> list[str]:
+  """Writes predictions of a checkpoint to JSONL.
+
+  Args:
+    model: the model the checkpoint was trained with (its decode_fn decides
+      greedy, sampling or beam search).
+    partitioner: mesh and rules.
+    restore_checkpoint_cfg: the checkpoint ('specific' step directory or
+      'latest' in a directory).
+    output_dir: gets `<task>-<step>.jsonl` (inputs, targets, prediction,
+      score per line) or, for an input file, `<file name>-<step>.jsonl`.
+    task_feature_lengths: inputs and targets lengths; longer inputs are cut
+      and predictions are at most the targets length.
+    batch_size: global decode batch.
+    mixture_or_task_name: predict every example of this task's `split`.
+    split: the task split.
+    input_file: instead of a task: a text file with one input per line, or
+      JSONL with an "inputs" field per line.
+    module: module to import first (registers user tasks).
+    num_examples: at most this many examples per task.
+
+  Returns:
+    The paths written.
 
   Raises:
-    ValueError: always, with the alternative to use meanwhile.
+    ValueError: neither or both of a task and an input file, an unknown task
+      or split, or a missing checkpoint, before anything is written.
   """
-  raise ValueError("t5lite-infer is not available in this version (no decoding yet); "
-                   "use t5lite-eval for teacher-forced metrics of a checkpoint.")
+  if (mixture_or_task_name is None) == (input_file is None):
+    raise ValueError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
+                     f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
+                     f"{input_file!r}.")
+  partitioner.validate()
+  partitioner.get_data_layout(batch_size)
+  if input_file is not None:
+    sources = [(os.path.splitext(os.path.basename(input_file))[0],
+                inference.examples_from_texts(_input_texts(input_file), model.input_vocabulary))]
+  else:
+    sources = _task_examples(mixture_or_task_name, split, task_feature_lengths, module,
+                             num_examples)
+  directory, step = ckpt_lib.resolve_restore_path(restore_checkpoint_cfg)
+  params_shardings, restore = _params_restorer(model, partitioner, task_feature_lengths,
+                                               directory)
+  params = restore(step)
+  runner = inference.BatchRunner(partitioner, batch_size, params_shardings)
+  written = []
+  for name, examples in sources:
+    predictions = _predict_examples(model, runner, params, examples, task_feature_lengths)
+    path = os.path.join(output_dir, f"{name}-{step}.jsonl")
+    if jax.process_index() == 0:
+      _write_predictions(path, examples, predictions, model)
+    written.append(path)
+    metrics_lib.log_line(f"Wrote {len(predictions)} predictions to {path}")
+  return written
+
+
+def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, float]],
+                       model: Any) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    for example, (prediction, score) in zip(examples.as_numpy_iterator(), predictions):
+      row = {"inputs": _text(example, "inputs", model.input_vocabulary)}
+      if len(np.atleast_1d(example.get("targets", []))) > 1 or "targets_pretokenized" in example:
+        row["targets"] = _text(example, "targets", model.output_vocabulary)
+      row.update(prediction=prediction, score=score)
+      f.write(json.dumps(row) + "\n")
+  os.replace(path + ".tmp", path)

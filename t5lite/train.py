@@ -22,8 +22,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import seqio
 
+from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
+from t5lite import inference
 from t5lite import metrics as metrics_lib
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
@@ -166,20 +169,16 @@ def validate(*, model: Any, train_dataset_cfg: DatasetConfig, model_dir: str,
   num_experts = getattr(getattr(model.module, "config", None), "num_experts", 0)
   if num_experts:
     moe.validate_expert_partitioning(num_experts, partitioner.mesh.shape["expert"])
-  layout = partitioner.get_data_layout(train_dataset_cfg.batch_size)
   trainer.validate(train_dataset_cfg.batch_size)
-  for cfg in (train_dataset_cfg, train_eval_dataset_cfg):
+  for cfg in (train_dataset_cfg, train_eval_dataset_cfg, infer_eval_dataset_cfg):
     if cfg is not None:
-      datasets.validate_dataset_config(cfg, num_shards=layout.num_shards)
+      eval_layout = partitioner.get_data_layout(cfg.batch_size)
+      datasets.validate_dataset_config(cfg, num_shards=eval_layout.num_shards)
       _check_vocabulary(model, cfg)
-  if train_eval_dataset_cfg is not None:
-    partitioner.get_data_layout(train_eval_dataset_cfg.batch_size)
-  if infer_eval_dataset_cfg is not None:
-    raise ValueError("Inference evaluation (infer_eval_dataset_cfg) is not available yet; "
-                     "set train.infer_eval_dataset_cfg = None.")
-  if actions:
-    raise ValueError(f"Unknown action modes {sorted(actions)}; no actions are available yet, "
-                     "set train.actions = {}.")
+  if infer_eval_dataset_cfg is not None and infer_eval_dataset_cfg.pack:
+    raise ValueError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
+                     f"on its own) for '{infer_eval_dataset_cfg.mixture_or_task_name}'.")
+  actions_lib.validate_actions(actions)
   return periods
 
 
@@ -358,39 +357,57 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
 # Evaluation during training
 
 
+def eval_task_names(cfg: DatasetConfig) -> list[str]:
+  """The evaluated names: the task, or a mixture and each of its tasks that
+  has the split."""
+  provider = datasets.get_mixture_or_task(cfg.mixture_or_task_name, cfg.module)
+  names = [cfg.mixture_or_task_name]
+  if isinstance(provider, seqio.Mixture):
+    names += [t.name for t in provider.tasks if cfg.split in t.splits]
+  return names
+
+
 class TrainEvaluator:
   """Teacher-forced metrics on `eval_steps` batches of a held-out split.
 
-  Each evaluation reads the same first batches, so numbers are comparable
-  across steps. Results go to MODEL_DIR/training_eval/<task>/.
+  A mixture is evaluated as a whole and task by task. Each evaluation reads
+  the same first batches, so numbers are comparable across steps. Results
+  go to MODEL_DIR/training_eval/<task>/.
   """
 
   def __init__(self, *, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
                trainer: Any, params_shardings: Any, eval_steps: int, model_dir: str):
     layout = partitioner.get_data_layout(cfg.batch_size)
-    self._ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
-                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._partitioner, self._batch = partitioner, cfg.batch_size
     self._steps = eval_steps
-    self._name = cfg.mixture_or_task_name
-    shardings = {k: partitioner.batch_sharding(len(s.shape))
-                 for k, s in self._ds.element_spec.items()}
+    self._datasets, self._writers = {}, {}
+    for name in eval_task_names(cfg):
+      self._datasets[name] = datasets.get_dataset(
+          dataclasses.replace(cfg, mixture_or_task_name=name), layout.shard_id,
+          layout.num_shards, model.FEATURE_CONVERTER_CLS, num_epochs=None)
+      self._writers[name] = metrics_lib.SummaryWriter(
+          os.path.join(model_dir, "training_eval", name), jax.process_index() == 0)
+    spec = next(iter(self._datasets.values())).element_spec
+    shardings = {k: partitioner.batch_sharding(len(s.shape)) for k, s in spec.items()}
     self._step_fn = trainer.compile_eval_step(params_shardings, shardings)
-    self._writer = metrics_lib.SummaryWriter(
-        os.path.join(model_dir, "training_eval", self._name), jax.process_index() == 0)
 
-  def evaluate(self, step: int, params: Any) -> dict[str, float]:
-    batches = global_batches(self._ds.take(self._steps), self._partitioner, self._batch)
-    results = metrics_lib.mean_metrics([self._step_fn(params, b) for b in batches])
-    self._writer.write_scalars(step, results)
-    self._writer.flush()
-    metrics_lib.log_line(
-        f"train-eval {self._name} step {step}: "
-        + "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()) if k != "num_tokens"))
-    return results
+  def evaluate(self, step: int, params: Any) -> dict[str, dict[str, float]]:
+    """Metrics of each evaluated name at `step`: {task: {metric: value}}."""
+    out = {}
+    for name, ds in self._datasets.items():
+      batches = global_batches(ds.take(self._steps), self._partitioner, self._batch)
+      results = metrics_lib.mean_metrics([self._step_fn(params, b) for b in batches])
+      self._writers[name].write_scalars(step, results)
+      self._writers[name].flush()
+      metrics_lib.log_line(
+          f"train-eval {name} step {step}: "
+          + "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()) if k != "num_tokens"))
+      out[name] = results
+    return out
 
   def close(self) -> None:
-    self._writer.close()
+    for writer in self._writers.values():
+      writer.close()
 
 
 # ---------------------------------------------------------------------------
@@ -408,6 +425,9 @@ class _Loop:
   progress: metrics_lib.Progress
   periods: Periods
   evaluator: TrainEvaluator | None
+  infer_evaluator: inference.InferenceEvaluator | None
+  actions: Mapping[actions_lib.ActionMode, list]
+  train_task: str
   total_steps: int
 
 
@@ -422,7 +442,7 @@ def _check_finite(fetched: list[dict[str, float]], step: int) -> None:
           "checkpoint.")
 
 
-def _write_stats(loop: _Loop, step: int, pending: list) -> None:
+def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | None:
   fetched = metrics_lib.fetch(pending)
   _check_finite(fetched, step)
   scalars = metrics_lib.average(fetched)
@@ -430,23 +450,47 @@ def _write_stats(loop: _Loop, step: int, pending: list) -> None:
   loop.writer.write_scalars(step, scalars)
   metrics_lib.log_line(loop.progress.line(step, scalars))
   pending.clear()
+  return actions_lib.run_actions(loop.actions, actions_lib.ActionMode.TRAIN, step,
+                                 {loop.train_task: scalars})
 
 
-def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> None:
+def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None:
+  """Train-eval and inference eval at `step`, then their actions."""
+  stop = None
+  if loop.evaluator:
+    results = loop.evaluator.evaluate(step, params)
+    stop = actions_lib.run_actions(loop.actions, actions_lib.ActionMode.TRAIN_EVAL, step,
+                                   results)
+  if loop.infer_evaluator:
+    results = loop.infer_evaluator.evaluate(step, params)
+    stop = actions_lib.run_actions(loop.actions, actions_lib.ActionMode.INFER_EVAL, step,
+                                   results) or stop
+  loop.progress.reset_clock(step)
+  return stop
+
+
+def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> actions_lib.Stop | None:
   """Checkpoint, evaluate and collect garbage when their periods come due."""
   last = step == loop.total_steps
   due = loop.periods.checkpoint and step % loop.periods.checkpoint == 0
   if loop.periods.checkpoint and (due or last or step in loop.periods.checkpoint_steps):
     loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
-  if loop.evaluator and loop.periods.eval and (step % loop.periods.eval == 0 or last):
-    loop.evaluator.evaluate(step, state.params)
-    loop.progress.reset_clock(step)
+  stop = None
+  if loop.periods.eval and (step % loop.periods.eval == 0 or last):
+    stop = evaluate_all(loop, step, state.params)
   if loop.periods.gc and step % loop.periods.gc == 0:
     gc.collect()
+  return stop
 
 
-def run_epochs(loop: _Loop, state: TrainState, start_step: int) -> TrainState:
-  """Runs steps from start_step to total_steps, epoch by epoch."""
+def run_epochs(loop: _Loop, state: TrainState, start_step: int
+               ) -> tuple[TrainState, int, actions_lib.Stop | None]:
+  """Runs steps from start_step to total_steps, epoch by epoch, unless an
+  action stops training first.
+
+  Returns:
+    (state, last step run, the action's Stop or None).
+  """
   step, pending = start_step, []
   while step < loop.total_steps:
     epoch_end = min(loop.total_steps, loop.periods.next_boundary(step))
@@ -454,12 +498,30 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int) -> TrainState:
       state, step_metrics = loop.step_fn(state, next(loop.data))
       step += 1
       pending.append(step_metrics)
+      stop = None
       if step % loop.periods.stats == 0 or step == epoch_end:
-        _write_stats(loop, step, pending)
+        stop = _write_stats(loop, step, pending)
       if _PREEMPTION.is_set():
         _preempt(loop, step, state, pending)
-    _end_of_epoch(loop, step, state)
-  return state
+      if stop:
+        return _stop(loop, step, state, stop)
+    stop = _end_of_epoch(loop, step, state)
+    if stop:
+      return _stop(loop, step, state, stop)
+  return state, step, None
+
+
+def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
+          ) -> tuple[TrainState, int, actions_lib.Stop]:
+  """Ends training for an action: keeps the step unless its state is bad."""
+  if not stop.save:
+    raise NonFiniteLossError(f"Stopped at step {step}: {stop.reason}; the step was not "
+                             "saved. Restart from the last checkpoint with a lower learning "
+                             "rate or gradient clipping.")
+  if loop.periods.checkpoint:
+    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
+  metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
+  return state, step, stop
 
 
 def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
@@ -519,7 +581,9 @@ def train(*,
     model: a `models.BaseModel` (module, vocabularies, optimizer, loss).
     train_dataset_cfg: training data; `batch_size` is the global batch.
     train_eval_dataset_cfg: held-out data for teacher-forced evaluation.
-    infer_eval_dataset_cfg: reserved for inference evaluation; must be None.
+    infer_eval_dataset_cfg: data for inference evaluation (decoding and the
+      tasks' seqio metrics), run with the train-eval every `eval_period`;
+      must not be packed.
     checkpoint_cfg: save period/keep and the explicit restore path.
     partitioner: mesh and logical-axis rules.
     trainer_cls: called as trainer_cls(model=..., partitioner=...,
@@ -533,14 +597,17 @@ def train(*,
     stats_period: steps between metric fetches and progress lines; defaults
       to the epoch length.
     random_seed: seeds init and dropout; None draws one from the clock.
-    actions: reserved; must be empty.
+    actions: mode ('TRAIN', 'TRAIN_EVAL', 'INFER_EVAL') -> list of
+      `actions.EarlyStopping` / `actions.TerminateOnNan`, run on that mode's
+      metrics; one that fires ends training (see `t5lite.actions`).
     run_eval_before_training: also evaluate at the start step.
     gc_period: steps between Python garbage collections; 0 leaves gc on.
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
 
   Returns:
-    (final step, final TrainState).
+    (final step, final TrainState); the final step is earlier than the
+    target when an action stopped training.
 
   Raises:
     ValueError: invalid configuration, before anything compiles or is written.
@@ -556,7 +623,8 @@ def train(*,
                           gc_period=gc_period, stats_period=stats_period))
   return _run(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
               train_cfg=train_dataset_cfg, eval_cfg=train_eval_dataset_cfg,
-              checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
+              infer_cfg=infer_eval_dataset_cfg,
+              actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
               relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
               run_eval_before_training=run_eval_before_training,
               summarize_config_fn=summarize_config_fn)
@@ -569,19 +637,24 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
     summarize_config_fn(model_dir)
 
 
-def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, specs,
-                checkpointer, model_dir, start, end, eval_steps) -> _Loop:
-  """The compiled step, the evaluator and the writers around the data."""
+def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_cfg, actions,
+                train_task, specs, checkpointer, model_dir, start, end, eval_steps) -> _Loop:
+  """The compiled step, the evaluators and the writers around the data."""
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
-  evaluator = None
+  evaluator = infer_evaluator = None
   if eval_cfg is not None and periods.eval:
     evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
                                trainer=trainer, params_shardings=specs.shardings.params,
                                eval_steps=eval_steps, model_dir=model_dir)
+  if infer_cfg is not None and periods.eval:
+    infer_evaluator = inference.InferenceEvaluator(
+        model=model, cfg=infer_cfg, partitioner=partitioner,
+        params_shardings=specs.shardings.params, output_dir=model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer,
                writer=writer, progress=metrics_lib.Progress(end, start), periods=periods,
-               evaluator=evaluator, total_steps=end)
+               evaluator=evaluator, infer_evaluator=infer_evaluator, actions=actions,
+               train_task=train_task, total_steps=end)
 
 
 def _close(loop: _Loop) -> None:
@@ -589,11 +662,13 @@ def _close(loop: _Loop) -> None:
   loop.checkpointer.wait_until_finished()
   loop.checkpointer.close()
   loop.writer.close()
-  if loop.evaluator:
-    loop.evaluator.close()
+  for evaluator in (loop.evaluator, loop.infer_evaluator):
+    if evaluator:
+      evaluator.close()
 
 
-def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoint_cfg,
+def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
+         checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
          summarize_config_fn) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
@@ -615,7 +690,8 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
     return start, state
 
   loop = _build_loop(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
-                     data=data, eval_cfg=eval_cfg, specs=specs,
+                     data=data, eval_cfg=eval_cfg, infer_cfg=infer_cfg, actions=actions,
+                     train_task=train_cfg.mixture_or_task_name, specs=specs,
                      checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
                      eval_steps=eval_steps)
   metrics_lib.log_line(f"Training steps {start} -> {end} on mesh {dict(partitioner.mesh.shape)}")
@@ -623,9 +699,13 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, checkpoin
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
     with _SigtermToPreemption():
-      if loop.evaluator and run_eval_before_training:
-        loop.evaluator.evaluate(start, state.params)
-      state = run_epochs(loop, state, start)
+      stop = None
+      if run_eval_before_training:
+        stop = evaluate_all(loop, start, state.params)
+      if stop:
+        state, end, _ = _stop(loop, start, state, stop)
+      else:
+        state, end, _ = run_epochs(loop, state, start)
   finally:
     _close(loop)
     gc.enable()
