@@ -152,6 +152,8 @@ class InferenceEvaluator:
     self._model = model
     self._primary = jax.process_index() == 0
     self._dir = os.path.join(output_dir, INFERENCE_EVAL_DIR)
+    if self._primary:
+      os.makedirs(self._dir, exist_ok=True)
     converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
     self._evaluator = seqio.Evaluator(
         mixture_or_task_name=cfg.mixture_or_task_name, feature_converter=converter,
@@ -176,7 +178,8 @@ class InferenceEvaluator:
 
     def predict(ds: tf.data.Dataset, unused_shapes: Any = None):
       rows = self._runner.run("predict", fn, params, ds)
-      tokens = [(i, _token_list(t)) for i, (t, _) in rows]
+      # Whole rows (padding included): seqio stacks them into one array.
+      tokens = [(i, np.asarray(t).tolist()) for i, (t, _) in rows]
       return tokens, {"scores": [float(s) for _, (_, s) in rows]}
     return predict
 

@@ -35,3 +35,89 @@ def test_train_eval_writes_the_mixture_and_each_task(tmp_path):
   # Different data, different numbers: each directory holds its own task.
   assert losses["t5lite_arithmetic"][4] != losses["t5lite_span_corruption"][4]
   assert not os.path.exists(os.path.join(model_dir, "inference_eval"))
+
+
+# ---------------------------------------------------------------------------
+# The inference evaluator's plumbing, with a model that echoes its inputs.
+
+
+class EchoModel:
+  """Predicts its inputs (so predictions equal targets iff order is kept) and
+  scores each example with the sum of its input tokens."""
+
+  import seqio as _seqio
+  INFERENCE_FEATURE_CONVERTER_CLS = _seqio.EncDecFeatureConverter
+
+  def __init__(self, vocabulary):
+    self.input_vocabulary = self.output_vocabulary = vocabulary
+
+  def predict_batch_with_aux(self, params, batch, rng=None):
+    del params, rng
+    length = batch["decoder_input_tokens"].shape[1]
+    tokens = batch["encoder_input_tokens"][:, :length]
+    return tokens, {"scores": tokens.sum(axis=1).astype("float32")}
+
+  def score_batch(self, params, batch):
+    del params
+    return batch["encoder_input_tokens"].sum(axis=1).astype("float32")
+
+
+def _expected_score(text):
+  return float(sum(b + 3 for b in text.encode()) + 1)  # byte ids are offset by 3, EOS is 1
+
+
+def score_order(targets, scores):
+  return {"score_order": 100.0 * sum(
+      abs(s - _expected_score(t)) < 1e-3 for t, s in zip(targets, scores)) / len(targets)}
+
+
+def _register_echo_task(name, examples):
+  import seqio
+  import tensorflow as tf
+
+  from t5lite.data import tasks, vocabularies
+
+  vocab = vocabularies.byte_vocabulary()
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    return tf.data.Dataset.from_tensor_slices({"inputs": examples, "targets": examples})
+
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(
+      name, source=seqio.FunctionDataSource(dataset_fn, splits=["validation"]),
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
+      output_features={k: seqio.Feature(vocab, add_eos=True) for k in ("inputs", "targets")},
+      metric_fns=[tasks.exact_match_accuracy, score_order])
+  return vocab
+
+
+def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
+  import json
+
+  from t5lite import inference, partitioning
+  from t5lite.data.datasets import DatasetConfig
+
+  examples = [f"example {i} " + "x" * (i % 5) for i in range(13)]
+  vocab = _register_echo_task("t5lite_test_echo", examples)
+  partitioner = partitioning.Partitioner(num_partitions=1)
+  cfg = DatasetConfig(mixture_or_task_name="t5lite_test_echo",
+                      task_feature_lengths={"inputs": 24, "targets": 24}, split="validation",
+                      batch_size=4, shuffle=False, seed=42, pack=False)
+  evaluator = inference.InferenceEvaluator(
+      model=EchoModel(vocab), cfg=cfg, partitioner=partitioner, params_shardings={},
+      output_dir=str(tmp_path))
+  try:
+    results = evaluator.evaluate(7, {})
+  finally:
+    evaluator.close()
+  # 13 examples in batches of 4: the last batch is 3 real rows and 1 padding.
+  assert results == {"t5lite_test_echo": {"accuracy": 100.0, "score_order": 100.0}}
+  out = tmp_path / "inference_eval"
+  rows = [json.loads(line) for line in (out / "t5lite_test_echo-000007.jsonl").open()]
+  assert [r["prediction"] for r in rows] == examples
+  assert [r["target"] for r in rows] == examples
+  metrics = [json.loads(line) for line in (out / "t5lite_test_echo-metrics.jsonl").open()]
+  assert metrics == [{"step": 7, "accuracy": 100.0, "score_order": 100.0}]
+  assert scalars(str(out / "t5lite_test_echo"), "accuracy") == {7: 100.0}
