@@ -19,7 +19,10 @@ BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
             "gin/runs/infer.gin": ["gin/models/t5_tiny.gin"],
             **{f"gin/partitioning/{n}.gin": ["gin/pretrain_dense.gin"]
                for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")},
-            "gin/partitioning/expert_parallel.gin": ["gin/pretrain_moe.gin"]}
+            "gin/partitioning/expert_parallel.gin": ["gin/pretrain_moe.gin"],
+            # Learner recipes and mixtures replace a headline's optimizer or task.
+            **{f: ["gin/pretrain_dense.gin"] for f in FILES
+               if f.startswith(("gin/learners/", "gin/mixtures/"))}}
 
 
 @pytest.fixture(autouse=True)

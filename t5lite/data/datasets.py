@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -99,6 +100,14 @@ def _unknown_name_message(name: str) -> str:
   )
 
 
+def _prepare_registry(module: str | None) -> None:
+  """Registers the embedded tasks if the registry was reset, then imports `module`."""
+  if not set(tasks.EMBEDDED_TASKS) <= set(seqio.TaskRegistry.names()):
+    tasks.register_tasks()  # Someone reset the registry since import.
+  if module:
+    _import_task_module(module)
+
+
 def get_mixture_or_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture:
   """Looks up a registered task or mixture, importing what registers it first.
 
@@ -113,15 +122,88 @@ def get_mixture_or_task(name: str, module: str | None = None) -> seqio.Task | se
     ValueError: if `module` fails to import, or `name` is not registered
       (the message suggests a close match and lists registered names).
   """
-  if not set(tasks.EMBEDDED_TASKS) <= set(seqio.TaskRegistry.names()):
-    tasks.register_tasks()  # Someone reset the registry since import.
-  if module:
-    _import_task_module(module)
+  _prepare_registry(module)
   if name in seqio.MixtureRegistry.names():
     return seqio.MixtureRegistry.get(name)
   if name in seqio.TaskRegistry.names():
     return seqio.TaskRegistry.get(name)
   raise ValueError(_unknown_name_message(name))
+
+
+def _check_mixture_rates(name: str, rates: Mapping[str, float]) -> dict[str, float]:
+  """Checks a mixture's components and weights; returns {component: float weight}."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"Mixture name must be a non-empty string, got {name!r}.")
+  if name in seqio.TaskRegistry.names():
+    raise ValueError(f"Mixture name '{name}' is already a registered task; choose another name.")
+  if not isinstance(rates, Mapping) or not rates:
+    raise ValueError(
+        f"Mixture '{name}' needs a non-empty dict of task name -> sampling weight, got "
+        f"{rates!r}, e.g. {{'{tasks.SPAN_CORRUPTION}': 3.0, '{tasks.ARITHMETIC}': 1.0}}.")
+  for component, weight in rates.items():
+    if component == name:
+      raise ValueError(f"Mixture '{name}' cannot contain itself.")
+    if component not in _registered_names():
+      raise ValueError(f"Mixture '{name}': {_unknown_name_message(component)}")
+    if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+        or not math.isfinite(weight) or weight <= 0):
+      raise ValueError(f"Mixture '{name}': the weight of '{component}' must be a positive "
+                       f"number, got {weight!r}.")
+  return {component: float(weight) for component, weight in rates.items()}
+
+
+def _check_same_features(name: str, components: list[str]) -> None:
+  """Every component must produce the same features with the same vocabularies."""
+  def signature(component: str) -> dict[str, tuple[str, int]]:
+    features = seqio.get_mixture_or_task(component).output_features
+    return {key: (type(f.vocabulary).__name__, f.vocabulary.vocab_size)
+            for key, f in features.items()}
+  first = signature(components[0])
+  for component in components[1:]:
+    other = signature(component)
+    if other != first:
+      raise ValueError(
+          f"Mixture '{name}': '{component}' produces {other} but '{components[0]}' produces "
+          f"{first} (feature: (vocabulary, size)); mix only tasks with the same features "
+          "and vocabulary.")
+
+
+def register_mixture(name: str, tasks: Mapping[str, float], module: str | None = None) -> str:
+  """Registers a seqio Mixture drawing each example from one task by weight.
+
+  Each example comes whole from one component, chosen with probability
+  weight / sum(weights) (seqio mixing rates). Declaring a mixture again
+  (gin evaluates the call each time the name is used) re-registers it; the
+  last declaration wins. From gin:
+
+    MIXTURE_OR_TASK_NAME = @datasets.register_mixture()
+    datasets.register_mixture:
+      name = 'span_and_arithmetic'
+      tasks = {'t5lite_span_corruption': 3.0, 't5lite_arithmetic': 1.0}
+      module = %MIXTURE_OR_TASK_MODULE
+
+  Args:
+    name: the mixture's name; must not be a registered task.
+    tasks: registered task (or mixture) name -> positive sampling weight.
+    module: optional module imported first, registering the user's tasks.
+
+  Returns:
+    `name`, so the call can stand wherever a task name is expected.
+
+  Raises:
+    ValueError: an unknown component (with a close match and the registered
+      names), a weight that is not a positive number, an empty mapping, a
+      name taken by a task, or components whose features or vocabularies
+      differ.
+  """
+  _prepare_registry(module)
+  rates = _check_mixture_rates(name, tasks)
+  _check_same_features(name, list(rates))
+  # Always rebuilt, so the mixture holds the tasks registered now (tasks are
+  # re-registered when the registry is reset or their module re-imported).
+  seqio.MixtureRegistry.remove(name)
+  seqio.MixtureRegistry.add(name, list(rates.items()))
+  return name
 
 
 def _check_batch_size(batch_size: int, num_shards: int) -> None:
