@@ -38,3 +38,18 @@ def test_keep_keep_every_n_dtype_and_resume(tmp_path):
   more = run_cli([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], cwd=str(tmp_path))
   assert more.returncode == 0, more.stderr[-3000:]
   assert "Restoring step 7" in more.stdout and "step 8/8" in more.stdout
+
+
+def test_period_last_step_extra_steps_keep_and_keep_every_n(tmp_path):
+  model_dir = tmp_path / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=9",
+                 "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
+                 "--gin.CHECKPOINTS_TO_KEEP=2",
+                 "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
+                 "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
+                cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  # Saved: 3 (checkpoint_steps), 4 and 8 (period), 9 (the last step, off the
+  # period). Kept: the newest two (8, 9) and multiples of 3 (3, 9); 4 is pruned.
+  assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 8, 9]
+  assert int(_read(model_dir / "checkpoints" / "9")["step"]) == 9
