@@ -29,12 +29,18 @@ flags.DEFINE_list("seqio_additional_cache_dirs", [], "Extra directories of cache
 flags.DEFINE_string("mesh_selector", None,
                     "String matched against Partitioner.mesh_rules (default: the device kind).")
 flags.DEFINE_bool("multiprocess_gpu", False,
-                  "Start jax.distributed; without addresses, detect them from the cluster.")
-flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+                  "Start jax.distributed; without the three flags below, take the coordinator, "
+                  "process count and index from the cluster environment (SLURM, Open MPI).")
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port where process 0 serves coordination; the same on every process.")
 flags.DEFINE_integer("process_count", None, "Number of processes in the job.")
-flags.DEFINE_integer("process_index", None, "Index of this process.")
+flags.DEFINE_integer("process_index", None, "Index of this process, 0 .. process_count - 1.")
 flags.DEFINE_integer("initialization_timeout", 300,
-                     "Seconds to wait for all processes to join.")
+                     "Seconds to wait for all processes to join before stopping with the "
+                     "missing one named.")
+flags.DEFINE_integer("heartbeat_timeout", 100,
+                     "Seconds without a heartbeat after which a peer counts as dead; the other "
+                     "processes then stop, naming it.")
 
 USER_ERROR_EXIT = 2
 # Command-line bindings get the imports the shipped gin files use, so
@@ -274,7 +280,8 @@ def _distributed_config():
   return distributed.DistributedConfig(
       multiprocess_gpu=FLAGS.multiprocess_gpu, coordinator_address=FLAGS.coordinator_address,
       process_count=FLAGS.process_count, process_index=FLAGS.process_index,
-      initialization_timeout=FLAGS.initialization_timeout)
+      initialization_timeout=FLAGS.initialization_timeout,
+      heartbeat_timeout=FLAGS.heartbeat_timeout)
 
 
 def one_line(error: BaseException) -> str:
@@ -299,11 +306,23 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
     entry()()
   except (ValueError, TypeError, FileNotFoundError) as error:
-    print(f"t5lite: {one_line(error)}", file=sys.stderr, flush=True)
-    sys.exit(USER_ERROR_EXIT)
+    _stop(USER_ERROR_EXIT, one_line(error))
   except _training_stopped() as stop:
-    print(f"t5lite: {one_line(stop)}", file=sys.stderr, flush=True)
-    sys.exit(stop.exit_code)
+    _stop(stop.exit_code, one_line(stop))
+  except Exception as error:
+    import traceback
+    traceback.print_exc()
+    _stop(1, one_line(error))
+  distributed.finish()
+
+
+def _stop(exit_code: int, line: str) -> None:
+  """Prints the one-line reason and exits; in a multi-process job the peers
+  are told first, so they stop too instead of waiting in a collective."""
+  from t5lite import distributed
+  print(f"t5lite: {line}", file=sys.stderr, flush=True)
+  distributed.report_failure(exit_code, line)
+  sys.exit(exit_code)
 
 
 def _training_stopped() -> type[Exception]:

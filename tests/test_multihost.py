@@ -1,0 +1,292 @@
+"""Multi-host launch with real processes on localhost.
+
+Each job runs 2 processes with 4 fake CPU devices each, joined through
+`--coordinator_address/--process_count/--process_index` (or the SLURM
+environment) over gloo, and is compared with one process on 8 devices.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from multihost import BIN, free_port, process_env, run_two_processes, start_job
+from test_cli import TINY, scalars
+
+from t5lite import distributed
+
+TOLERANCE = 1e-5  # float reassociation only; never raise it to make a test pass
+
+# Unshuffled, unpacked arithmetic problems (no random preprocessing): the
+# global batch holds the same examples whether 1 or 2 processes read it, so
+# the losses must agree. Only the row order inside a batch differs.
+TRAIN = [*TINY, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+         "--gin.train/datasets.DatasetConfig.shuffle=False",
+         "--gin.train/datasets.DatasetConfig.pack=False",
+         "--gin.BATCH_SIZE=8", "--gin.STATS_PERIOD=1", "--gin.EVAL_PERIOD=0",
+         "--gin.CHECKPOINT_PERIOD=2", "--gin.checkpoints.SaveCheckpointConfig.save_dataset=True"]
+
+
+def _no_cluster_env():
+  # The tests must not pick up a real scheduler's variables.
+  return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+
+
+def _run_one(args, cwd, devices=8, script="t5lite-train"):
+  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=process_env(devices),
+                        capture_output=True, text=True, timeout=600)
+
+
+# ---------------------------------------------------------------------------
+# Flags, in-process and through the CLI
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(coordinator_address="localhost:1234", process_count=2),
+     "must be given together .* --multiprocess_gpu"),
+    (dict(coordinator_address="localhost:1234", process_count=2, process_index=2),
+     r"--process_index=2 must be in \[0, 2\)"),
+    (dict(coordinator_address="localhost", process_count=2, process_index=0),
+     "--coordinator_address='localhost' must be 'host:port'"),
+    (dict(coordinator_address="localhost:99999", process_count=2, process_index=0),
+     "must be 'host:port'"),
+    (dict(multiprocess_gpu=True, heartbeat_timeout=0), "--heartbeat_timeout=0 must be a positive number of seconds"),
+    (dict(multiprocess_gpu=True, initialization_timeout=-1),
+     "--initialization_timeout=-1 must be a positive number of seconds"),
+])
+def test_contradictory_or_incomplete_flags_are_named(config, message):
+  with pytest.raises(ValueError, match=message):
+    distributed.validate(distributed.DistributedConfig(**config))
+
+
+def test_valid_flags_pass():
+  for address in ("localhost:1234", "10.0.0.1:80", "[::1]:8476", "node-001.cluster:1"):
+    distributed.validate(distributed.DistributedConfig(
+        coordinator_address=address, process_count=4, process_index=3))
+  assert not distributed.DistributedConfig().enabled
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("t5lite-train", ["--coordinator_address=localhost:1234", "--process_count=2"],
+     "must be given together"),
+    ("t5lite-eval", ["--coordinator_address=localhost:1234", "--process_count=2",
+                     "--process_index=5"], r"--process_index=5 must be in \[0, 2\)"),
+    ("t5lite-infer", ["--multiprocess_gpu", "--heartbeat_timeout=0"],
+     "--heartbeat_timeout=0 must be a positive number of seconds"),
+])
+def test_cli_rejects_bad_flags_with_one_line_before_starting(tmp_path, script, args, message):
+  out = subprocess.run([os.path.join(BIN, script), *TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+                        *args], cwd=str(tmp_path), env=dict(_no_cluster_env(), JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("t5lite: ValueError: ") and re.search(message, last), last
+  assert "Joining" not in out.stdout and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_multiprocess_gpu_outside_a_cluster_says_what_to_pass(tmp_path):
+  out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY, "--multiprocess_gpu",
+                        f"--gin.MODEL_DIR='{tmp_path / 'r'}'"], cwd=str(tmp_path),
+                       env=dict(_no_cluster_env(), JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert "found no cluster environment (SLURM or Open MPI)" in last
+  assert "--coordinator_address, --process_count and --process_index" in last
+
+
+# ---------------------------------------------------------------------------
+# The watchdog's verdicts, with a fake coordination client
+
+
+class _FakeClient:
+  def key_value_set(self, *args, **kwargs):
+    pass
+
+
+def _watchdog(count=3, index=0, timeout=10):
+  job = distributed._Job("node0:1234", count, index, None)  # noqa: SLF001
+  return distributed._Watchdog(_FakeClient(), job, timeout)  # noqa: SLF001
+
+
+def test_watchdog_names_silent_peers_only_after_the_timeout():
+  dog = _watchdog(count=4, index=2)
+  start = time.monotonic()
+  dog._record([("t5lite_watchdog/alive/0", "1"), ("t5lite_watchdog/alive/1", "1"),  # noqa: SLF001
+               ("t5lite_watchdog/alive/3", "1")])
+  assert dog.verdict(start + 5) is None
+  # Process 1 keeps beating, 0 and 3 fall silent.
+  dog._record([("t5lite_watchdog/alive/0", "1"), ("t5lite_watchdog/alive/1", "2"),  # noqa: SLF001
+               ("t5lite_watchdog/alive/3", "1")])
+  with dog._lock:  # noqa: SLF001 - pretend the last change of 1 and the contact were later
+    dog._heard[1] = ("2", start + 9)  # noqa: SLF001
+    dog._contact = start + 9  # noqa: SLF001
+  code, message = dog.verdict(start + 12)
+  assert code == distributed.PEER_LOST_EXIT
+  assert message.startswith("processes 0 and 3 of 4 stopped responding: no heartbeat for 10 s")
+
+
+def test_watchdog_blames_the_coordinator_when_it_cannot_be_reached():
+  dog = _watchdog(count=2, index=1)
+  code, message = dog.verdict(time.monotonic() + 11)
+  assert code == distributed.PEER_LOST_EXIT
+  assert message.startswith("process 0 of 2 (the coordinator at node0:1234) stopped responding")
+  # Once this process is finishing, the coordinator may shut down first; a
+  # peer that falls silent before it announced its own finish is still named.
+  dog.announce("done", "")
+  assert dog.verdict(time.monotonic() + 11)[1].startswith(
+      "process 0 of 2 stopped responding: no heartbeat for 10 s")
+
+
+def test_watchdog_repeats_a_failed_peers_message_and_status():
+  dog = _watchdog(count=2, index=0)
+  dog._record([("t5lite_watchdog/failed/1", "2|ValueError: bad config")])  # noqa: SLF001
+  assert dog.verdict(time.monotonic()) == (
+      2, "process 1 of 2 failed (ValueError: bad config); stopping this one too.")
+
+
+def test_watchdog_ignores_peers_that_finished():
+  dog = _watchdog(count=2, index=0)
+  dog._record([("t5lite_watchdog/done/1", "")])  # noqa: SLF001
+  with dog._lock:  # noqa: SLF001
+    dog._contact = time.monotonic() + 100  # noqa: SLF001
+  assert dog.verdict(time.monotonic() + 50) is None
+
+
+# ---------------------------------------------------------------------------
+# Real processes (slow)
+
+
+@pytest.mark.slow
+def test_each_process_reads_its_own_shard_into_one_global_batch(tmp_path):
+  # Started from SLURM's variables with --multiprocess_gpu alone, as srun would.
+  port = free_port()
+
+  def slurm(i):
+    return {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "JAX_COORDINATOR_PORT": str(port)}
+
+  results = run_two_processes(lambda i: ["data", "--multiprocess_gpu"], cwd=str(tmp_path),
+                              script="multihost_worker.py", env_fn=slurm,
+                              with_distributed_flags=False, timeout=300)
+  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+  got = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+  for i, g in enumerate(got):
+    assert (g["process_index"], g["process_count"], g["devices"], g["local_devices"]) == (i, 2, 8, 4)
+    assert (g["shard_id"], g["num_shards"]) == (i, 2)
+    assert g["placed_from_local_rows"]
+  rows0, rows1 = got[0]["local_rows"], got[1]["local_rows"]
+  assert len(rows0) == len(rows1) == 4
+  assert not {tuple(r) for r in rows0} & {tuple(r) for r in rows1}  # different streams
+  # Both see the same global batch: process 0's rows, then process 1's ...
+  assert got[0]["global_rows"] == got[1]["global_rows"] == rows0 + rows1
+  # ... which holds the examples one process reading everything would batch.
+  from multihost_worker import DATA
+  from t5lite.data import datasets
+  from t5lite.models import models
+  whole = next(datasets.get_dataset(DATA, 0, 1, models.EncoderDecoderModel.FEATURE_CONVERTER_CLS)
+               .as_numpy_iterator())["encoder_input_tokens"].tolist()
+  assert sorted(whole) == sorted(rows0 + rows1)
+
+
+def _losses(model_dir):
+  return scalars(os.path.join(model_dir, "train"), "loss")
+
+
+def _copy_checkpoint(src_dir, step, dst_dir):
+  shutil.copytree(os.path.join(src_dir, "checkpoints", str(step)),
+                  os.path.join(dst_dir, "checkpoints", str(step)))
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_path):
+  def args(model_dir, steps=4):
+    return [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
+
+  one, two = tmp_path / "one", tmp_path / "two"
+  ref = _run_one(args(one), cwd=str(tmp_path))
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  results = run_two_processes(lambda i: args(two), cwd=str(tmp_path))
+  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+
+  want = _losses(one)
+  assert sorted(want) == [1, 2, 3, 4]
+  assert abs(want[4] - want[1]) > 1000 * TOLERANCE * want[1]  # the comparison means something
+  assert _losses(two) == pytest.approx(want, rel=TOLERANCE)
+  # Process 0 alone writes the run's files; everyone writes checkpoint shards.
+  assert len(os.listdir(two / "train")) == 1
+  assert (two / "config.gin").exists() and (two / "model-info.txt").exists()
+  assert "step 4/4" in results[0].stdout and "step 4/4" not in results[1].stdout
+  assert sorted(os.listdir(two / "checkpoints")) == ["2", "4"]
+  assert sorted(os.listdir(two / "checkpoints" / "4" / "dataset")) == ["process_0", "process_1"]
+
+  # A 2-process checkpoint continues in 1 process, and a 1-process one in 2,
+  # exactly where the uninterrupted run went. The saved data iterators belong
+  # to the other process count, so the data position is replayed instead.
+  to_one, to_two = tmp_path / "to_one", tmp_path / "to_two"
+  _copy_checkpoint(two, 2, to_one)
+  _copy_checkpoint(one, 2, to_two)
+  resumed = _run_one(args(to_one), cwd=str(tmp_path))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Restoring step 2" in resumed.stdout
+  results = run_two_processes(lambda i: args(to_two), cwd=str(tmp_path))
+  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+  assert "Restoring step 2" in results[0].stdout
+  for model_dir in (to_one, to_two):
+    got = _losses(model_dir)
+    assert sorted(got) == [3, 4], model_dir
+    assert got == pytest.approx({3: want[3], 4: want[4]}, rel=TOLERANCE), model_dir
+
+
+@pytest.mark.slow
+def test_killed_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
+  heartbeat = 5
+  job = start_job(lambda i: [*TRAIN, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                             "--gin.TRAIN_STEPS=100000", "--gin.CHECKPOINT_PERIOD=50000"],
+                  cwd=str(tmp_path), log_dir=str(tmp_path / "logs"), heartbeat_timeout=heartbeat)
+  job.wait_for_output(0, "step 2/", timeout=300)  # training is really under way
+  job.kill(1)
+  killed_at = time.monotonic()
+  survivor, killed = job.wait(timeout=120)
+  assert killed.returncode == -9
+  assert survivor.returncode == distributed.PEER_LOST_EXIT, job.describe()
+  assert "process 1 of 2 stopped responding: no heartbeat for 5 s" in survivor.last_error_line()
+  # Silence is noticed after `heartbeat` s; the rest is polling and exiting.
+  assert survivor.ended_at - killed_at < heartbeat + 10, survivor.ended_at - killed_at
+
+
+@pytest.mark.slow
+def test_peer_that_never_arrives_stops_process_0_within_the_initialization_timeout(tmp_path):
+  port = free_port()
+  job = start_job(lambda i: [*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'"], cwd=str(tmp_path),
+                  log_dir=str(tmp_path / "logs"), indices=[0], initialization_timeout=5,
+                  port=port)
+  job.wait_for_output(0, "Joining the 2-process job", timeout=120)
+  joining_at = time.monotonic()
+  (result,) = job.wait(timeout=120)
+  assert result.returncode == distributed.PEER_LOST_EXIT, job.describe()
+  assert result.last_error_line().startswith(
+      f"t5lite: process 1 of 2 did not join the job at localhost:{port} within 5 s.")
+  assert result.ended_at - joining_at < 5 + 5, result.ended_at - joining_at
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_failing_peer_stops_the_others_with_its_message(tmp_path):
+  def args(i):
+    model_dir = tmp_path / "run" if i == 0 else "/proc/t5lite-not-writable"
+    return [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4"]
+
+  started = time.monotonic()
+  ok, bad = run_two_processes(args, cwd=str(tmp_path), heartbeat_timeout=60)
+  assert bad.returncode == 2
+  assert "MODEL_DIR '/proc/t5lite-not-writable' is not writable" in bad.last_error_line()
+  # Process 0 stops with the same status, naming process 1 and its reason,
+  # without waiting for the 60 s heartbeat timeout.
+  assert ok.returncode == 2, ok.stderr[-3000:]
+  assert ok.last_error_line().startswith("t5lite: process 1 of 2 failed (ValueError: MODEL_DIR")
+  assert ok.ended_at - started < 60
