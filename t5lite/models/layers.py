@@ -9,11 +9,16 @@ and compute dtype (float32 or bfloat16).
 
 Masks here are boolean arrays `[batch, 1, q_length, kv_length]` where True
 means "may attend"; attention turns them into an additive bias.
+
+Autoregressive decoding keeps each attention's keys and values in the
+'cache' collection (see `DecodeCache`): one prefill pass stores them for the
+prompt, then every step appends one position per example.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 import math
 from typing import Any
 
@@ -41,6 +46,56 @@ def _normalize_axes(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
+
+
+# Logical axes of a cached key or value: [batch, length, heads, kv].
+_CACHE_AXES = (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+  """How an attention call uses its key/value cache.
+
+  The keys and values live in the 'cache' collection as `cached_key` and
+  `cached_value`, each `[batch, length, heads, kv]`, so callers apply the
+  module with `mutable=['cache']`.
+
+  Attributes:
+    length: positions the cache holds (static).
+    position: None for a prefill: the call attends exactly as without a
+      cache and also stores the keys and values of its `kv_length` inputs at
+      positions `[0, kv_length)`. int32 `[batch]` for a one-token step: each
+      example's new key and value go to its own position and the query
+      attends over the whole cache, where the caller's mask hides the
+      positions not yet written.
+  """
+
+  length: int
+  position: Array | None = None
+
+  @property
+  def is_step(self) -> bool:
+    """Whether this is a one-token step (as opposed to a prefill)."""
+    return self.position is not None
+
+
+def write_at_positions(buffer: Array, update: Array, position: Array) -> Array:
+  """Writes one slice per example at that example's own position.
+
+  Args:
+    buffer: `[batch, length, ...]`.
+    update: `[batch, 1, ...]`, same trailing dims as `buffer`.
+    position: int `[batch]`, index along `length` of each example.
+
+  Returns:
+    `buffer` with `update[b]` written at `[b, position[b]]`.
+  """
+  def write_one(row, new, pos):  # [length, ...], [1, ...], []
+    return jax.lax.dynamic_update_slice_in_dim(row, new.astype(row.dtype), pos, axis=0)
+
+  # vmap keeps the batch dimension a batching dim of the scatter, so a
+  # batch-sharded cache is updated in place on each shard.
+  return jax.vmap(write_one)(buffer, update, position)
 
 
 class DenseGeneral(nn.Module):
@@ -246,27 +301,35 @@ class RelativePositionBiases(nn.Module):
       q_length: number of query positions.
       k_length: number of key positions.
       bidirectional: whether keys after the query have their own buckets.
-      q_offset: position of the first query; lets a cached decoder ask for
-        the bias of a single step without recomputing the full square.
+      q_offset: position of the first query, a scalar or int `[batch]` (one
+        per example); lets a cached decoder ask for the rows of its current
+        step without recomputing the full square.
 
     Returns:
-      `[1, heads, q_length, k_length]` additive bias.
+      Additive bias `[1, heads, q_length, k_length]` for a scalar
+      `q_offset`, `[batch, heads, q_length, k_length]` for a `[batch]` one.
     """
     rel_embedding = self.param(
         "rel_embedding",
         nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
                                      (ax.HEADS, ax.RELPOS_BUCKETS)),
         (self.num_heads, self.num_buckets), jnp.float32)
-    q_pos = jnp.arange(q_length, dtype=jnp.int32)[:, None] + q_offset
-    k_pos = jnp.arange(k_length, dtype=jnp.int32)[None, :]
+    q_offset = jnp.asarray(q_offset, jnp.int32)
+    if q_offset.ndim > 1:
+      raise ValueError(f"q_offset must be a scalar or [batch], got shape {q_offset.shape}.")
+    # [q_length, 1] for a scalar offset, [batch, q_length, 1] for one per example.
+    q_pos = jnp.arange(q_length, dtype=jnp.int32)[:, None] + q_offset[..., None, None]
+    k_pos = jnp.arange(k_length, dtype=jnp.int32)[None, :]  # [1, k_length]
     buckets = relative_position_bucket(k_pos - q_pos, bidirectional,
                                        self.num_buckets, self.max_distance)
+    if q_offset.ndim == 0:
+      buckets = buckets[None]  # [1, q_length, k_length]
     # Gather via one-hot matmul: a gather over a sharded heads axis partitions
     # badly, a contraction does not.
     one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=self.dtype)
-    # [heads, buckets] x [q_length, k_length, buckets] -> [heads, q_length, k_length]
-    values = jnp.einsum("hb,qkb->hqk", jnp.asarray(rel_embedding, self.dtype), one_hot)
-    return values[None]  # [1, heads, q_length, k_length]
+    # [heads, buckets] x [batch or 1, q_length, k_length, buckets]
+    #   -> [batch or 1, heads, q_length, k_length]
+    return jnp.einsum("hb,nqkb->nhqk", jnp.asarray(rel_embedding, self.dtype), one_hot)
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -299,26 +362,42 @@ class MultiHeadDotProductAttention(nn.Module):
     return nn.with_logical_constraint(y, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV))
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None = None,
-               bias: Array | None = None, deterministic: bool = True) -> Array:
+  def __call__(self, inputs_q: Array, inputs_kv: Array | None, mask: Array | None = None,
+               bias: Array | None = None, deterministic: bool = True,
+               cache: DecodeCache | None = None) -> Array:
     """Attends from `inputs_q` to `inputs_kv`.
 
     Args:
       inputs_q: `[batch, q_length, embed]`.
-      inputs_kv: `[batch, kv_length, embed]`.
+      inputs_kv: `[batch, kv_length, embed]`; None only in a cached step,
+        which then attends to the keys and values its prefill stored
+        (cross-attention to a fixed encoder output).
       mask: boolean `[batch, 1 or heads, q_length, kv_length]`; True attends.
+        In a cached step `kv_length` is the cache length.
       bias: additive `[batch or 1, heads, q_length, kv_length]`, e.g.
         relative-position biases.
       deterministic: disables dropout.
+      cache: None, or how to read and write the key/value cache (see
+        `DecodeCache`); needs `mutable=['cache']`.
 
     Returns:
       `[batch, q_length, embed]` in `dtype`.
+
+    Raises:
+      ValueError: `inputs_kv` is None outside a cached step, or a cached
+        step finds no prefilled cache, or the cache is shorter than the
+        prefill.
     """
     query = self._project("query", inputs_q, init_scale=1.0 / self.head_dim)
-    key = self._project("key", inputs_kv)
-    value = self._project("value", inputs_kv)
-    # A cached decoder would append `key`/`value` to its cache here and
-    # attend over the cache instead; everything below is cache-agnostic.
+    key = value = None
+    if inputs_kv is not None:
+      key = self._project("key", inputs_kv)
+      value = self._project("value", inputs_kv)
+    elif cache is None or not cache.is_step:
+      raise ValueError("inputs_kv may be None only in a cached step (cache.position set), "
+                       "which reads the keys and values of an earlier prefill.")
+    if cache is not None:
+      key, value = self._use_cache(key, value, cache)
     weights = attention_weights(query, key, combine_biases(mask, bias),
                                 float32_logits=self.float32_logits)
     weights = nn.Dropout(rate=self.dropout_rate)(weights, deterministic=deterministic)
@@ -331,6 +410,45 @@ class MultiHeadDotProductAttention(nn.Module):
                        kernel_axes=(ax.HEADS, ax.KV, ax.EMBED), dtype=self.dtype,
                        init_distribution="normal", name="out")(x)
     return nn.with_logical_constraint(out, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+  def _use_cache(self, key: Array | None, value: Array | None,
+                 cache: DecodeCache) -> tuple[Array, Array]:
+    """Stores (prefill) or appends (step) keys and values in the cache.
+
+    Args:
+      key: `[batch, kv_length, heads, kv]`, or None to only read the cache.
+      value: like `key`.
+      cache: the prefill or step description.
+
+    Returns:
+      The `(key, value)` to attend to: the inputs' own in a prefill, the
+      whole cache `[batch, cache.length, heads, kv]` in a step.
+    """
+    names = ("cached_key", "cached_value")
+    if not cache.is_step:
+      kv_length = key.shape[1]
+      if cache.length < kv_length:
+        raise ValueError(f"DecodeCache.length={cache.length} cannot hold the {kv_length} "
+                         "prefilled positions; use a cache at least as long as the prefill.")
+      # [batch, kv_length, heads, kv] -> [batch, cache.length, heads, kv]
+      pad = ((0, 0), (0, cache.length - kv_length), (0, 0), (0, 0))
+      for name, x in zip(names, (key, value)):
+        stored = self.variable("cache", name, jnp.zeros, key.shape[:1] + (cache.length,)
+                               + key.shape[2:], key.dtype)
+        stored.value = nn.with_logical_constraint(jnp.pad(x, pad), _CACHE_AXES)
+      return key, value
+    if not self.has_variable("cache", names[0]):
+      raise ValueError("A cached decoding step found no keys/values: run a prefill first "
+                       "(DecodeCache(length) with position=None) and pass its 'cache' "
+                       "collection, with mutable=['cache'].")
+    cached = []
+    for name, x in zip(names, (key, value)):
+      stored = self.variable("cache", name)
+      if x is not None:
+        stored.value = nn.with_logical_constraint(
+            write_at_positions(stored.value, x, cache.position), _CACHE_AXES)
+      cached.append(stored.value)
+    return cached[0], cached[1]
 
 
 def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
@@ -443,6 +561,20 @@ def padding_mask(query_tokens: Array, key_tokens: Array) -> Array:
     Boolean `[batch, 1, q_length, kv_length]`.
   """
   return pairwise_mask(query_tokens > 0, key_tokens > 0)
+
+
+def decode_step_mask(position: Array, length: int) -> Array:
+  """Mask of a one-token cached step: each example sees its cache up to its position.
+
+  Args:
+    position: int `[batch]`, the position of each example's query.
+    length: cache length.
+
+  Returns:
+    Boolean `[batch, 1, 1, length]`.
+  """
+  visible = jnp.arange(length)[None, :] <= position[:, None]  # [batch, length]
+  return visible[:, None, None, :]
 
 
 def causal_mask(length: int) -> Array:

@@ -4,12 +4,18 @@ A model wraps a Flax network with what the trainer needs: initial variables
 (boxed with logical axes), a loss whose statistics are plain sums so that
 microbatches add up, and teacher-forced logits. The optimizer is held here,
 not used here, so one gin binding on the model configures training.
+
+For evaluation it also decodes (`predict_batch`, `predict_batch_with_aux`)
+with its gin-configured `decode_fn` over a key/value cache, and scores
+given targets (`score_batch`). All are pure functions of arrays, ready for
+`jax.jit` with sharded params.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -19,6 +25,8 @@ import jax.numpy as jnp
 import optax
 import seqio
 
+from t5lite import decoding
+from t5lite.models import layers
 from t5lite.models import moe
 
 Array = jax.Array
@@ -87,28 +95,57 @@ def collect_moe_metrics(intermediates: Mapping[str, Any]) -> dict[str, Array]:
   return {name: jnp.mean(jnp.concatenate(v)) for name, v in found.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeStart:
+  """What a decoder starts from (see `t5lite.decoding`).
+
+  Attributes:
+    tokens_to_logits: the model step `(tokens [n], cache) -> (logits [n,
+      vocab], cache)`.
+    initial_cache: its state, every leaf `[batch, ...]`.
+    first_tokens: int32 `[batch]`, the token fed at the first step.
+  """
+
+  tokens_to_logits: decoding.TokensToLogits
+  initial_cache: Any
+  first_tokens: Array
+
+
+def _logits_at(logits: Array, position: Array) -> Array:
+  """`[n, length, vocab]` logits at one position per row -> `[n, vocab]`."""
+  return jnp.take_along_axis(logits, position[:, None, None], axis=1)[:, 0]
+
+
 class BaseModel(abc.ABC):
   """A network with its vocabularies, feature converter, optimizer and loss.
 
   Attributes:
     FEATURE_CONVERTER_CLS: seqio feature converter producing the batch keys
-      this model reads.
+      this model reads in training.
+    INFERENCE_FEATURE_CONVERTER_CLS: seqio feature converter producing the
+      batches `predict_batch` and `score_batch` read.
     module: the Flax network.
     input_vocabulary: vocabulary of the inputs.
     output_vocabulary: vocabulary of the targets.
     optimizer: optax transformation the trainer uses; never called here.
     moe_aux_loss_weight: weight of the MoE load-balancing loss.
     moe_z_loss_weight: weight of the MoE router z-loss.
+    decode_fn: the decoder `predict_batch` runs (see `t5lite.decoding`).
+    max_decode_length: tokens decoded per example, or None for the length
+      of the batch's `decoder_input_tokens`.
   """
 
   FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
+  INFERENCE_FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
 
   def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
                output_vocabulary: seqio.Vocabulary,
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | None = None,
-               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3):
+               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3,
+               decode_fn: Callable[..., tuple[Array, Array]] | None = None,
+               max_decode_length: int | None = None):
     """Builds the model.
 
     Args:
@@ -124,11 +161,17 @@ class BaseModel(abc.ABC):
         (averaged over layers); unused by dense networks.
       moe_z_loss_weight: weight of the router z-loss of MoE layers (averaged
         over layers); unused by dense networks.
+      decode_fn: a decoder with the signature of `decoding.greedy` (the
+        default when None), e.g. `decoding.beam_search` or
+        `decoding.temperature_sample` with their knobs bound by gin.
+      max_decode_length: tokens to decode per example; None decodes as many
+        as the batch's `decoder_input_tokens` has positions.
 
     Raises:
       ValueError: for a negative z_loss or MoE loss weight, a
-        label_smoothing outside [0, 1) or a non-positive
-        loss_normalizing_factor.
+        label_smoothing outside [0, 1), a non-positive
+        loss_normalizing_factor or max_decode_length, or a decode_fn that is
+        not callable.
     """
     for name, value in (("z_loss", z_loss), ("moe_aux_loss_weight", moe_aux_loss_weight),
                         ("moe_z_loss_weight", moe_z_loss_weight)):
@@ -139,6 +182,12 @@ class BaseModel(abc.ABC):
     if loss_normalizing_factor is not None and loss_normalizing_factor <= 0:
       raise ValueError("loss_normalizing_factor must be > 0 or None (divide by the "
                        f"sum of loss weights), got {loss_normalizing_factor}.")
+    if max_decode_length is not None and max_decode_length < 1:
+      raise ValueError(f"max_decode_length must be >= 1 or None (the length of the batch's "
+                       f"decoder_input_tokens), got {max_decode_length}.")
+    if decode_fn is not None and not callable(decode_fn):
+      raise ValueError(f"decode_fn must be a function such as decoding.beam_search, got "
+                       f"{decode_fn!r}; in gin, reference it as @decoding.beam_search.")
     self.module = module
     self.input_vocabulary = input_vocabulary
     self.output_vocabulary = output_vocabulary
@@ -148,6 +197,8 @@ class BaseModel(abc.ABC):
     self.loss_normalizing_factor = loss_normalizing_factor
     self.moe_aux_loss_weight = moe_aux_loss_weight
     self.moe_z_loss_weight = moe_z_loss_weight
+    self.decode_fn = decode_fn or decoding.greedy
+    self.max_decode_length = max_decode_length
 
   @abc.abstractmethod
   def _module_inputs(self, batch: Batch) -> dict[str, Array]:
@@ -272,6 +323,130 @@ class BaseModel(abc.ABC):
     """Teacher-forced float32 logits `[batch, length, vocab]`, no dropout."""
     return self._logits(params, batch, dropout_rng=None)[0]
 
+  def score_batch(self, params: Params, batch: Batch) -> Array:
+    """Teacher-forced log-likelihood of each example's targets.
+
+    Args:
+      params: unboxed parameter tree.
+      batch: `INFERENCE_FEATURE_CONVERTER_CLS` features with
+        `decoder_target_tokens` and `decoder_loss_weights`.
+
+    Returns:
+      float32 `[batch]`: sum over positions of `decoder_loss_weights *
+      log p(decoder_target_tokens)`.
+    """
+    log_probs = jax.nn.log_softmax(self.predict_logits(params, batch))
+    targets = jnp.asarray(batch["decoder_target_tokens"], jnp.int32)
+    target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    weights = jnp.asarray(batch["decoder_loss_weights"], jnp.float32)
+    return jnp.sum(target_log_probs * weights, axis=-1)
+
+  def predict_batch(self, params: Params, batch: Batch, rng: Array | None = None) -> Array:
+    """The best decode of each example with `decode_fn`.
+
+    Args:
+      params: unboxed parameter tree.
+      batch: `INFERENCE_FEATURE_CONVERTER_CLS` features (see the subclass).
+      rng: PRNG key for sampling decoders; None uses a fixed key.
+
+    Returns:
+      int32 `[batch, max_decode_length]`: the decoded targets (for
+      decoder-only models, the continuation after the prompt), EOS
+      included, 0 after it.
+    """
+    return self.predict_batch_with_aux(params, batch, rng)[0]
+
+  def predict_batch_with_aux(self, params: Params, batch: Batch, rng: Array | None = None, *,
+                             return_all_decodes: bool = False,
+                             num_decodes: int | None = None) -> tuple[Array, dict[str, Array]]:
+    """Decodes like `predict_batch` and also returns the decodes' scores.
+
+    Args:
+      params: unboxed parameter tree.
+      batch: `INFERENCE_FEATURE_CONVERTER_CLS` features.
+      rng: PRNG key for sampling decoders; None uses a fixed key.
+      return_all_decodes: return every decode instead of the best one.
+      num_decodes: decodes per example (samples, or the best beams); None is
+        the decoder's default (1 sample, all beams).
+
+    Returns:
+      `(tokens, aux)`: tokens int32 `[batch, max_decode_length]`, or `[batch,
+      num_decodes, max_decode_length]` sorted by score with the best LAST
+      when `return_all_decodes`; `aux['scores']` float32 `[batch]` or
+      `[batch, num_decodes]`: summed log-probabilities, length-normalised
+      for beam search.
+    """
+    tokens, scores = self.decode_batch(params, batch, rng, num_decodes=num_decodes)
+    if return_all_decodes:
+      return tokens, {"scores": scores}
+    return tokens[:, -1], {"scores": scores[:, -1]}
+
+  def decode_batch(self, params: Params, batch: Batch, rng: Array | None = None, *,
+                   num_decodes: int | None = None,
+                   use_cache: bool = True) -> tuple[Array, Array]:
+    """Runs `decode_fn` with or without the key/value cache.
+
+    The uncached path recomputes the full teacher-forced forward pass over
+    everything decoded so far at every step; it gives the same tokens (up to
+    floating-point reassociation) and is the reference and benchmark
+    baseline. MoE layers route per group of tokens, so the two agree only
+    when no token is dropped for capacity (e.g. eval_capacity_factor <= 0).
+
+    Args:
+      params: unboxed parameter tree.
+      batch: `INFERENCE_FEATURE_CONVERTER_CLS` features.
+      rng: PRNG key for sampling decoders; None uses a fixed key.
+      num_decodes: decodes per example; None is the decoder's default.
+      use_cache: decode over the key/value cache.
+
+    Returns:
+      tokens int32 `[batch, num_decodes, max_decode_length]` and scores
+      float32 `[batch, num_decodes]`, both sorted by score, best last.
+
+    Raises:
+      ValueError: the batch lacks a feature decoding needs.
+    """
+    length = self._decode_length(batch)
+    start = self._decode_start(params, batch, length, use_cache)
+    return self.decode_fn(start.tokens_to_logits, start.initial_cache, start.first_tokens,
+                          rng, max_decode_length=length,
+                          eos_id=self.output_vocabulary.eos_id, num_decodes=num_decodes)
+
+  def _decode_length(self, batch: Batch) -> int:
+    if self.max_decode_length is not None:
+      return self.max_decode_length
+    if "decoder_input_tokens" not in batch:
+      raise ValueError("Decoding needs max_decode_length or a 'decoder_input_tokens' feature "
+                       f"to take the length from; the batch has {sorted(batch)}.")
+    return batch["decoder_input_tokens"].shape[-1]
+
+  @abc.abstractmethod
+  def _decode_start(self, params: Params, batch: Batch, length: int,
+                    use_cache: bool) -> DecodeStart:
+    """The step function, its initial state and first tokens for `length` steps."""
+
+  def _uncached_step(self, params: Params, length: int) -> decoding.TokensToLogits:
+    """A step that reruns the teacher-forced forward pass on the whole sequence.
+
+    Its state holds `decoder_input_tokens` `[n, length]` (prompt and tokens
+    decoded so far), `position` int32 `[n]` (where the fed token goes) and
+    any other module input (encoder tokens, prefix flags), all `[n, ...]`.
+    """
+    def tokens_to_logits(tokens: Array, state: dict[str, Array]
+                         ) -> tuple[Array, dict[str, Array]]:
+      position = state["position"]
+      inputs = layers.write_at_positions(state["decoder_input_tokens"], tokens[:, None],
+                                         position)
+      # The model reads padding from the targets; mark what exists so far.
+      seen = (jnp.arange(length)[None, :] <= position[:, None]).astype(jnp.int32)
+      batch = {**state, "decoder_input_tokens": inputs, "decoder_target_tokens": seen}
+      logits = self.module.apply({"params": params}, **self._module_inputs(batch),
+                                 enable_dropout=False)
+      new_state = {**state, "decoder_input_tokens": inputs, "position": position + 1}
+      return _logits_at(logits.astype(jnp.float32), position), new_state
+
+    return tokens_to_logits
+
 
 def _ones(shape: tuple[int, ...], name: str,
           input_types: Mapping[str, jnp.dtype] | None) -> Array:
@@ -286,9 +461,14 @@ def _require(input_shapes: Mapping[str, tuple[int, ...]], *names: str) -> None:
 
 
 class EncoderDecoderModel(BaseModel):
-  """Encoder-decoder (T5) model fed by `seqio.EncDecFeatureConverter`."""
+  """Encoder-decoder (T5) model fed by `seqio.EncDecFeatureConverter`.
+
+  Decoding reads `encoder_input_tokens` (unpacked) and starts every target
+  from BOS id 0.
+  """
 
   FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
+  INFERENCE_FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
 
   def _module_inputs(self, batch: Batch) -> dict[str, Array]:
     keys = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
@@ -308,6 +488,36 @@ class EncoderDecoderModel(BaseModel):
                                        "decoder_target_tokens", input_types),
     }
 
+  def _decode_start(self, params: Params, batch: Batch, length: int,
+                    use_cache: bool) -> DecodeStart:
+    if "encoder_input_tokens" not in batch:
+      raise ValueError("EncoderDecoderModel decodes from 'encoder_input_tokens', which the "
+                       f"batch lacks (it has {sorted(batch)}); build it with "
+                       "seqio.EncDecFeatureConverter.")
+    encoder_tokens = jnp.asarray(batch["encoder_input_tokens"], jnp.int32)
+    n = encoder_tokens.shape[0]
+    bos = jnp.zeros((n,), jnp.int32)
+    state = {"encoder_input_tokens": encoder_tokens, "position": jnp.zeros((n,), jnp.int32)}
+    if not use_cache:
+      state["decoder_input_tokens"] = jnp.zeros((n, length), jnp.int32)
+      return DecodeStart(self._uncached_step(params, length), state, bos)
+    variables = {"params": params}
+    encoded = self.module.apply(variables, encoder_tokens, enable_dropout=False,
+                                method="encode")
+    # A prefill of BOS alone: it creates the self-attention cache and stores
+    # the encoder's keys and values for cross-attention.
+    _, filled = self.module.apply(variables, encoded, encoder_tokens, bos[:, None],
+                                  jnp.ones_like(bos[:, None]), enable_dropout=False,
+                                  cache_length=length, method="decode", mutable=["cache"])
+
+    def tokens_to_logits(tokens: Array, state: dict[str, Any]) -> tuple[Array, dict[str, Any]]:
+      logits, new = self.module.apply(
+          {"params": params, "cache": state["cache"]}, state["encoder_input_tokens"],
+          tokens[:, None], state["position"], length, method="decode_step", mutable=["cache"])
+      return logits[:, 0], {**state, "cache": new["cache"], "position": state["position"] + 1}
+
+    return DecodeStart(tokens_to_logits, {**state, "cache": filled["cache"]}, bos)
+
 
 class DecoderOnlyModel(BaseModel):
   """Decoder-only language model, optionally prefix-LM.
@@ -315,9 +525,17 @@ class DecoderOnlyModel(BaseModel):
   With `inputs_bidirectional_attention=True` the model uses
   `seqio.PrefixLMFeatureConverter` and passes its `decoder_causal_attention`
   feature, so the inputs (prefix) attend to each other bidirectionally.
+
+  Decoding always reads the PrefixLM layout: the prompt is the positions
+  where `decoder_causal_attention` is 1 (BOS, the inputs and their EOS), and
+  the rest of `decoder_input_tokens` is ignored. The prompt attends as in
+  training (bidirectionally only with `inputs_bidirectional_attention`), and
+  the continuation of up to `max_decode_length` tokens is returned
+  left-aligned, without the prompt.
   """
 
   FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+  INFERENCE_FEATURE_CONVERTER_CLS = seqio.PrefixLMFeatureConverter
 
   def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
                output_vocabulary: seqio.Vocabulary,
@@ -325,7 +543,9 @@ class DecoderOnlyModel(BaseModel):
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | None = None,
                inputs_bidirectional_attention: bool = False,
-               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3):
+               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3,
+               decode_fn: Callable[..., tuple[Array, Array]] | None = None,
+               max_decode_length: int | None = None):
     """Builds the model; arguments as in `BaseModel`.
 
     Args:
@@ -340,11 +560,15 @@ class DecoderOnlyModel(BaseModel):
         the inputs part of each example.
       moe_aux_loss_weight: weight of the MoE load-balancing loss.
       moe_z_loss_weight: weight of the MoE router z-loss.
+      decode_fn: decoder for `predict_batch`; None is `decoding.greedy`.
+      max_decode_length: continuation tokens to decode; None is the length
+        of the batch's `decoder_input_tokens`.
     """
     super().__init__(module, input_vocabulary, output_vocabulary, optimizer, z_loss,
                      label_smoothing, loss_normalizing_factor,
                      moe_aux_loss_weight=moe_aux_loss_weight,
-                     moe_z_loss_weight=moe_z_loss_weight)
+                     moe_z_loss_weight=moe_z_loss_weight, decode_fn=decode_fn,
+                     max_decode_length=max_decode_length)
     self.inputs_bidirectional_attention = inputs_bidirectional_attention
     if inputs_bidirectional_attention:
       # Per instance: the class default stays the plain decoder converter.
@@ -371,3 +595,45 @@ class DecoderOnlyModel(BaseModel):
                                                 input_types)
     return batch
 
+  def _prompt(self, batch: Batch) -> tuple[Array, Array]:
+    """The PrefixLM prompt: tokens `[n, L]` zeroed after the prompt, and its
+    int32 length `[n]` (at least 1: an empty prompt is BOS alone)."""
+    if "decoder_causal_attention" not in batch or "decoder_input_tokens" not in batch:
+      raise ValueError(
+          "DecoderOnlyModel decodes from the PrefixLM layout ('decoder_input_tokens' and "
+          f"'decoder_causal_attention'); the batch has {sorted(batch)}. Build it with "
+          "INFERENCE_FEATURE_CONVERTER_CLS (seqio.PrefixLMFeatureConverter).")
+    tokens = jnp.asarray(batch["decoder_input_tokens"], jnp.int32)
+    lengths = jnp.sum(jnp.asarray(batch["decoder_causal_attention"]) > 0, axis=-1)
+    lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
+    in_prompt = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(in_prompt, tokens, 0), lengths
+
+  def _decode_start(self, params: Params, batch: Batch, length: int,
+                    use_cache: bool) -> DecodeStart:
+    prompt, prompt_lengths = self._prompt(batch)
+    n, prompt_capacity = prompt.shape
+    # Room for the longest prompt and `length` more tokens; the first step
+    # refeeds the last prompt token, whose logits predict the continuation.
+    total = prompt_capacity + length
+    in_prompt = (jnp.arange(prompt_capacity)[None, :] < prompt_lengths[:, None]).astype(jnp.int32)
+    position = prompt_lengths - 1
+    first = jnp.take_along_axis(prompt, position[:, None], axis=1)[:, 0]
+    if not use_cache:
+      pad = ((0, 0), (0, length))
+      state = {"decoder_input_tokens": jnp.pad(prompt, pad), "position": position,
+               "decoder_causal_attention": jnp.pad(in_prompt, pad)}
+      return DecodeStart(self._uncached_step(params, total), state, first)
+    prefix = in_prompt if self.inputs_bidirectional_attention else None
+    _, filled = self.module.apply({"params": params}, prompt, in_prompt,
+                                  decoder_causal_attention=prefix, enable_dropout=False,
+                                  cache_length=total, mutable=["cache"])
+
+    def tokens_to_logits(tokens: Array, state: dict[str, Any]) -> tuple[Array, dict[str, Any]]:
+      logits, new = self.module.apply(
+          {"params": params, "cache": state["cache"]}, tokens[:, None], state["position"],
+          total, method="decode_step", mutable=["cache"])
+      return logits[:, 0], {**state, "cache": new["cache"], "position": state["position"] + 1}
+
+    return DecodeStart(tokens_to_logits, {"cache": filled["cache"], "position": position},
+                       first)

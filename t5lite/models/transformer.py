@@ -32,6 +32,15 @@ LAYERS axis of `num_layers / interval` blocks.
 T5 uses relative position biases only, so the `*_positions` inputs of
 seqio's packed features are accepted and ignored: within a packed segment the
 difference of two indices equals the difference of their positions.
+
+Cached decoding (see `t5lite.decoding`) uses two more entry points per
+network: a prefill (`EncoderDecoder.decode` / `DecoderOnly.__call__` with
+`cache_length`), which is the teacher-forced pass that also stores every
+attention's keys and values in the 'cache' collection, and `decode_step`,
+which feeds one token per example at its own position. Cache leaves are
+`[batch, length, heads, kv]`, or `[batch, layers or blocks, length, heads,
+kv]` under `scan_layers`: the batch stays the leading axis so that a decoder
+can repeat or reorder examples (beams) without knowing the layout.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ from t5lite.models import moe
 Array = jax.Array
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# Scanned cache leaves stack layers on axis 1 so the batch stays leading.
+_CACHE_SCAN_AXIS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,30 +274,40 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, encoded: Array | None, self_mask: Array,
-               cross_mask: Array | None, bias: Array,
-               deterministic: bool) -> Array | tuple[Array, None]:
+               cross_mask: Array | None, bias: Array, deterministic: bool,
+               cache: layers.DecodeCache | None = None) -> Array | tuple[Array, None]:
     """Applies the layer.
 
     Args:
       x: `[batch, length, embed]` decoder activations.
       encoded: `[batch, encoder_length, embed]`, or None for a decoder-only
-        network (no cross-attention sub-layer is created).
-      self_mask: boolean `[batch, 1, length, length]`.
-      cross_mask: boolean `[batch, 1, length, encoder_length]` or None.
-      bias: relative-position bias `[1, heads, length, length]`.
+        network (no cross-attention sub-layer is created) and in cached
+        steps, whose cross-attention reads the keys and values of the
+        prefill.
+      self_mask: boolean `[batch, 1, length, length]`; in a cached step
+        `[batch, 1, 1, cache_length]`.
+      cross_mask: boolean `[batch, 1, length, encoder_length]` or None. In a
+        cached step, given iff the network has cross-attention.
+      bias: relative-position bias `[1, heads, length, length]`; in a cached
+        step `[batch, heads, 1, cache_length]`.
       deterministic: disables dropout.
+      cache: None, a prefill or a step (see `layers.DecodeCache`).
 
     Returns:
       `[batch, length, embed]` (paired with None when scanned).
     """
     cfg = self.config
     y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
-    y = _attention(cfg, "self_attention")(y, y, self_mask, bias, deterministic)
+    y = _attention(cfg, "self_attention")(y, y, self_mask, bias, deterministic, cache)
     x = x + _dropout(cfg, y, deterministic)
-    if encoded is not None:
+    in_step = cache is not None and cache.is_step
+    if encoded is not None or (in_step and cross_mask is not None):
+      cross_cache = cache
+      if cache is not None and not in_step:
+        cross_cache = layers.DecodeCache(length=encoded.shape[1])
       y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_cross_attention_layer_norm")(x)
       y = _attention(cfg, "encoder_decoder_attention")(y, encoded, cross_mask, None,
-                                                       deterministic)
+                                                       deterministic, cross_cache)
       x = x + _dropout(cfg, y, deterministic)
     x = _mlp_residual(cfg, x, deterministic, self.use_moe)
     return (x, None) if self.scanned else x
@@ -318,7 +339,7 @@ def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers:
     return _scan_moe_blocks(layer_cls, cfg, num_layers, x, *shared_args)
   scanned_cls = nn.scan(
       layer_cls,
-      variable_axes={"params": 0},
+      variable_axes={"params": 0, "cache": _CACHE_SCAN_AXIS},
       split_rngs={"params": True, "dropout": True},
       in_axes=(nn.broadcast,) * len(shared_args),
       length=num_layers,
@@ -356,7 +377,7 @@ def _scan_moe_blocks(layer_cls: type[nn.Module], cfg: TransformerConfig, num_lay
   """
   scanned_cls = nn.scan(
       _MoeBlock,
-      variable_axes={"params": 0, "intermediates": 0},
+      variable_axes={"params": 0, "intermediates": 0, "cache": _CACHE_SCAN_AXIS},
       split_rngs={"params": True, "dropout": True},
       in_axes=(nn.broadcast,) * len(shared_args),
       length=num_layers // cfg.moe_layer_interval,
@@ -418,15 +439,18 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, encoded: Array | None, decoder_input_tokens: Array,
                self_mask: Array, cross_mask: Array | None,
-               deterministic: bool) -> Array:
-    """Decodes with teacher forcing.
+               deterministic: bool, cache: layers.DecodeCache | None = None) -> Array:
+    """Decodes with teacher forcing, or one cached step.
 
     Args:
-      encoded: `[batch, encoder_length, embed]`, or None for decoder-only.
-      decoder_input_tokens: `[batch, length]` ids.
-      self_mask: boolean `[batch, 1, length, length]`.
+      encoded: `[batch, encoder_length, embed]`, or None for decoder-only
+        and for cached steps.
+      decoder_input_tokens: `[batch, length]` ids (length 1 in a step).
+      self_mask: boolean `[batch, 1, length, length]`, in a step
+        `[batch, 1, 1, cache.length]`.
       cross_mask: boolean `[batch, 1, length, encoder_length]` or None.
       deterministic: disables dropout.
+      cache: None, a prefill or a step (see `layers.DecodeCache`).
 
     Returns:
       float32 logits `[batch, length, vocab]`.
@@ -435,12 +459,17 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     x = self.shared_embedding(decoder_input_tokens).astype(cfg.compute_dtype)
     x = _dropout(cfg, x, deterministic)
-    bias = layers.RelativePositionBiases(
+    relpos = layers.RelativePositionBiases(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        dtype=cfg.compute_dtype, name="relpos_bias")(length, length, bidirectional=False)
+        dtype=cfg.compute_dtype, name="relpos_bias")
+    if cache is not None and cache.is_step:
+      # Only the rows of this step: [batch, heads, length, cache.length].
+      bias = relpos(length, cache.length, bidirectional=False, q_offset=cache.position)
+    else:
+      bias = relpos(length, length, bidirectional=False)
     x = _layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, x, encoded, self_mask,
-                     cross_mask, bias, deterministic)
+                     cross_mask, bias, deterministic, cache)
     x = layers.RMSNorm(dtype=cfg.compute_dtype, name="decoder_norm")(x)
     x = _dropout(cfg, x, deterministic)
     return self._logits(x)
@@ -506,7 +535,7 @@ class EncoderDecoder(nn.Module):
              encoder_segment_ids: Array | None = None,
              decoder_segment_ids: Array | None = None,
              decoder_positions: Array | None = None,
-             enable_dropout: bool = True) -> Array:
+             enable_dropout: bool = True, cache_length: int | None = None) -> Array:
     """Decodes with teacher forcing given the encoder output.
 
     Args:
@@ -518,6 +547,10 @@ class EncoderDecoder(nn.Module):
       decoder_segment_ids: packing ids of the targets, or None.
       decoder_positions: ignored (relative positions only).
       enable_dropout: apply dropout (needs a 'dropout' rng).
+      cache_length: if set, a prefill: also stores the keys and values of
+        the `length` decoder positions in a self-attention cache of this
+        many positions, and the encoder's for cross-attention (needs
+        `mutable=['cache']`).
 
     Returns:
       float32 logits `[batch, length, vocab]`.
@@ -534,8 +567,28 @@ class EncoderDecoder(nn.Module):
     if encoder_segment_ids is not None:
       cross_mask = layers.combine_masks(
           cross_mask, layers.segment_mask(decoder_segment_ids, encoder_segment_ids))
+    cache = None if cache_length is None else layers.DecodeCache(cache_length)
     return self.decoder(encoded, decoder_input_tokens, self_mask, cross_mask,
-                        deterministic=not enable_dropout)
+                        deterministic=not enable_dropout, cache=cache)
+
+  def decode_step(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
+                  decode_position: Array, cache_length: int) -> Array:
+    """One cached decoding step, after a prefill with `decode(cache_length=...)`.
+
+    Args:
+      encoder_input_tokens: `[batch, encoder_length]`, for the padding mask.
+      decoder_input_tokens: `[batch, 1]`, the token at each example's position.
+      decode_position: int32 `[batch]`, where each token sits in the sequence.
+      cache_length: the prefill's `cache_length`.
+
+    Returns:
+      float32 logits `[batch, 1, vocab]` for the next position.
+    """
+    cache = layers.DecodeCache(cache_length, decode_position)
+    self_mask = layers.decode_step_mask(decode_position, cache_length)
+    cross_mask = layers.padding_mask(jnp.ones_like(decoder_input_tokens), encoder_input_tokens)
+    return self.decoder(None, decoder_input_tokens, self_mask, cross_mask,
+                        deterministic=True, cache=cache)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array, encoder_segment_ids: Array | None = None,
@@ -572,7 +625,7 @@ class DecoderOnly(nn.Module):
                decoder_segment_ids: Array | None = None,
                decoder_positions: Array | None = None,
                decoder_causal_attention: Array | None = None,
-               enable_dropout: bool = True) -> Array:
+               enable_dropout: bool = True, cache_length: int | None = None) -> Array:
     """Teacher-forced logits.
 
     Args:
@@ -583,6 +636,9 @@ class DecoderOnly(nn.Module):
       decoder_causal_attention: `[batch, length]`, 1 on prefix positions,
         which attend to each other bidirectionally (seqio PrefixLM feature).
       enable_dropout: apply dropout (needs a 'dropout' rng).
+      cache_length: if set, a prefill: also stores the keys and values of
+        the `length` positions in a cache of this many positions (needs
+        `mutable=['cache']`).
 
     Returns:
       float32 logits `[batch, length, vocab]`.
@@ -590,5 +646,23 @@ class DecoderOnly(nn.Module):
     del decoder_positions
     mask = layers.decoder_self_mask(decoder_target_tokens, decoder_segment_ids,
                                     decoder_causal_attention)
+    cache = None if cache_length is None else layers.DecodeCache(cache_length)
     return self.decoder(None, decoder_input_tokens, mask, None,
-                        deterministic=not enable_dropout)
+                        deterministic=not enable_dropout, cache=cache)
+
+  def decode_step(self, decoder_input_tokens: Array, decode_position: Array,
+                  cache_length: int) -> Array:
+    """One cached decoding step, after a prefill with `cache_length` set.
+
+    Args:
+      decoder_input_tokens: `[batch, 1]`, the token at each example's position.
+      decode_position: int32 `[batch]`, where each token sits in the sequence.
+      cache_length: the prefill's `cache_length`.
+
+    Returns:
+      float32 logits `[batch, 1, vocab]` for the next position.
+    """
+    cache = layers.DecodeCache(cache_length, decode_position)
+    self_mask = layers.decode_step_mask(decode_position, cache_length)
+    return self.decoder(None, decoder_input_tokens, self_mask, None, deterministic=True,
+                        cache=cache)

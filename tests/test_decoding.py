@@ -1,0 +1,605 @@
+"""Tests of t5lite.decoding and of the models' prediction API.
+
+The decoders are checked on small synthetic step functions whose every
+sequence can be enumerated in numpy, then on tiny real networks, where a
+cached decode must give what recomputing the full forward pass gives.
+"""
+
+import functools
+import itertools
+import os
+import textwrap
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import seqio
+import tensorflow as tf
+
+from t5lite import decoding
+from t5lite import partitioning
+from t5lite import testing
+from t5lite.models import layers
+from t5lite.models import models
+from t5lite.models import transformer
+
+EOS = 1
+
+# ---------------------------------------------------------------------------
+# Synthetic step functions.
+# ---------------------------------------------------------------------------
+
+# A second-order chain over 5 tokens: the logits depend on the last two
+# tokens, the older one kept in the cache, so a beam search that reorders
+# the cache wrongly scores sequences wrongly.
+CHAIN_VOCAB = 5
+CHAIN_TABLE = np.random.default_rng(0).normal(0.0, 1.5, (CHAIN_VOCAB,) * 3).astype(np.float32)
+
+
+def _chain_step(tokens, cache):
+  logits = jnp.asarray(CHAIN_TABLE)[cache["previous"], tokens]  # [n, vocab]
+  return logits, {"previous": tokens}
+
+
+def _chain_start(batch):
+  """Initial cache and first tokens: example b starts from token b % vocab."""
+  first = jnp.arange(batch, dtype=jnp.int32) % CHAIN_VOCAB
+  return {"previous": jnp.zeros((batch,), jnp.int32)}, first
+
+
+def _chain_log_prob(first, sequence):
+  """Log-probability of `sequence` (up to its EOS) after `first`, in numpy."""
+  previous, last, total = 0, int(first), 0.0
+  for token in sequence:
+    logits = CHAIN_TABLE[previous, last].astype(np.float64)
+    total += logits[token] - np.log(np.sum(np.exp(logits)))
+    if token == EOS:
+      break
+    previous, last = last, int(token)
+  return total
+
+
+def _all_chain_decodes(length):
+  """Every possible decode of `length` tokens: EOS at some step then 0s, or no EOS."""
+  others = [t for t in range(CHAIN_VOCAB) if t != EOS]
+  for n in range(length):
+    for prefix in itertools.product(others, repeat=n):
+      yield list(prefix) + [EOS] + [0] * (length - n - 1)
+  yield from (list(p) for p in itertools.product(others, repeat=length))
+
+
+@functools.partial(jax.jit, static_argnames=("decode_fn", "batch", "length", "knobs"))
+def _run_chain(rng, *, decode_fn, batch, length, knobs):
+  cache, first = _chain_start(batch)
+  return decode_fn(_chain_step, cache, first, rng, max_decode_length=length, eos_id=EOS,
+                   **dict(knobs))
+
+
+def _decode(decode_fn, batch=3, length=4, rng=None, **knobs):
+  """Decodes the chain from `batch` start tokens; one compile per setting."""
+  rng = jax.random.key(0) if rng is None else rng
+  tokens, scores = _run_chain(rng, decode_fn=decode_fn, batch=batch, length=length,
+                              knobs=tuple(sorted(knobs.items())))
+  return np.asarray(tokens), np.asarray(scores)
+
+
+def _script_step():
+  """Step function that emits `cache['script'][n, i]` at step i, counting its
+  calls in `calls`; the script rides in the cache so beams copy it."""
+  calls = []
+
+  def step(tokens, cache):
+    del tokens
+    jax.debug.callback(lambda: calls.append(1))
+    token = jnp.take_along_axis(cache["script"], cache["step"][:, None], axis=1)[:, 0]
+    return 10.0 * jax.nn.one_hot(token, 8), {**cache, "step": cache["step"] + 1}
+
+  return step, calls
+
+
+def _script_cache(script):
+  script = jnp.asarray(script, jnp.int32)
+  return {"script": script, "step": jnp.zeros(script.shape[:1], jnp.int32)}
+
+
+# ---------------------------------------------------------------------------
+# Decoders on synthetic steps.
+# ---------------------------------------------------------------------------
+
+
+def test_greedy_follows_the_argmax_and_scores_it():
+  tokens, scores = _decode(decoding.greedy, length=4)
+  assert tokens.shape == (3, 1, 4) and scores.shape == (3, 1)
+  for b in range(3):
+    previous, last, expected = 0, b, []
+    for _ in range(4):
+      token = int(np.argmax(CHAIN_TABLE[previous, last]))
+      expected.append(token)
+      if token == EOS:
+        break
+      previous, last = last, token
+    expected += [0] * (4 - len(expected))
+    np.testing.assert_array_equal(tokens[b, 0], expected)
+    np.testing.assert_allclose(scores[b, 0], _chain_log_prob(b, expected), rtol=1e-5)
+
+
+def test_eos_pads_with_zeros_and_ends_the_loop_when_all_finished():
+  # Row 0 ends at step 1, row 1 at step 2; afterwards the script says 7.
+  step, calls = _script_step()
+  cache = _script_cache([[5, EOS, 7, 7, 7, 7], [3, 4, EOS, 7, 7, 7]])
+  # Beam search stops early only once it holds num_beams finished beams, so
+  # with two beams it runs on; with one it stops when greedy does.
+  for decode_fn, steps in ((decoding.greedy, 3),
+                           (functools.partial(decoding.beam_search, num_beams=1), 3),
+                           (functools.partial(decoding.beam_search, num_beams=2), 6)):
+    calls.clear()
+    tokens, _ = jax.jit(lambda c, f, fn=decode_fn: fn(step, c, f, max_decode_length=6,
+                                                      eos_id=EOS))(cache, jnp.zeros(2, jnp.int32))
+    jax.effects_barrier()
+    np.testing.assert_array_equal(tokens[:, -1], [[5, EOS, 0, 0, 0, 0], [3, 4, EOS, 0, 0, 0]])
+    assert len(calls) == steps, f"{decode_fn}: the loop ran {len(calls)} steps, not {steps}"
+
+
+def test_without_eos_decodes_run_to_max_length():
+  step, _ = _script_step()
+  tokens, _ = decoding.greedy(step, _script_cache([[5, EOS, 7, 7]]), jnp.zeros(1, jnp.int32),
+                              max_decode_length=4, eos_id=None)
+  np.testing.assert_array_equal(tokens[0, 0], [5, EOS, 7, 7])
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0.0), dict(temperature=1e-4),
+                                   dict(temperature=1.0, topk=1),
+                                   dict(temperature=2.0, topp=1e-6)])
+def test_sampling_degenerates_to_greedy(knobs):
+  greedy, greedy_scores = _decode(decoding.greedy, batch=5, length=5)
+  sampled, scores = _decode(decoding.temperature_sample, batch=5, length=5,
+                            rng=jax.random.key(3), num_decodes=3, **knobs)
+  for k in range(3):
+    np.testing.assert_array_equal(sampled[:, k], greedy[:, 0])
+    np.testing.assert_allclose(scores[:, k], greedy_scores[:, 0], rtol=1e-6)
+
+
+def test_sampling_with_temperature_is_random_and_reproducible():
+  first, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(1),
+                     num_decodes=16, temperature=1.0)
+  again, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(1),
+                     num_decodes=16, temperature=1.0)
+  other, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(2),
+                     num_decodes=16, temperature=1.0)
+  np.testing.assert_array_equal(first, again)
+  assert len({tuple(row) for row in first[0]}) > 3
+  assert not np.array_equal(first, other)
+
+
+def _first_step_samples(**knobs):
+  """First tokens of 200 samples from example 0's first-step distribution."""
+  tokens, _ = _decode(decoding.temperature_sample, batch=1, length=1, rng=jax.random.key(5),
+                      num_decodes=200, temperature=1.0, **knobs)
+  return set(tokens[0, :, 0].tolist())
+
+
+def test_topk_and_topp_restrict_samples_to_the_likeliest_tokens():
+  logits = CHAIN_TABLE[0, 0].astype(np.float64)
+  probs = np.exp(logits) / np.sum(np.exp(logits))
+  order = list(np.argsort(-probs))
+  assert _first_step_samples() == set(range(CHAIN_VOCAB))  # unrestricted: all appear
+  assert _first_step_samples(topk=2) == set(order[:2])
+  # The nucleus: the likeliest tokens until their mass reaches topp.
+  topp = float(probs[order[0]] + 0.5 * probs[order[1]])
+  assert _first_step_samples(topp=topp) == set(order[:2])
+
+
+def test_filter_logits_keeps_ties_and_at_least_one_token():
+  logits = jnp.array([[3.0, 1.0, 3.0, 0.0], [0.0, 5.0, 1.0, 2.0]])
+  kept = np.isfinite(decoding.filter_logits(logits, topk=1))
+  np.testing.assert_array_equal(kept, [[1, 0, 1, 0], [0, 1, 0, 0]])
+  kept = np.isfinite(decoding.filter_logits(logits, topp=1e-9))
+  np.testing.assert_array_equal(kept, [[1, 0, 1, 0], [0, 1, 0, 0]])
+  assert np.isfinite(decoding.filter_logits(logits, topk=0, topp=1.0)).all()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_one_beam_is_greedy(alpha):
+  # One beam keeps only the best extension, as greedy does; alpha only
+  # rescales the single finished score.
+  greedy, greedy_scores = _decode(decoding.greedy, batch=5, length=5)
+  beam, beam_scores = _decode(decoding.beam_search, batch=5, length=5, num_beams=1, alpha=alpha)
+  np.testing.assert_array_equal(beam, greedy)
+  lengths = np.array([int(np.argmax(row == EOS)) + 1 if EOS in row else 5
+                      for row in greedy[:, 0]])
+  np.testing.assert_allclose(beam_scores[:, 0],
+                             greedy_scores[:, 0] / ((5 + lengths) / 6) ** alpha, rtol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_exhaustive_beam_search_finds_the_best_sequence(alpha):
+  # 80 beams keep every one of the 4**3 unfinished prefixes of length 3, so
+  # the search is exhaustive and must return the brute-force optimum.
+  length = 3
+  tokens, scores = _decode(decoding.beam_search, batch=3, length=length, num_beams=80,
+                           alpha=alpha, num_decodes=5)
+  for b in range(3):
+    candidates = []
+    for seq in _all_chain_decodes(length):
+      n = seq.index(EOS) + 1 if EOS in seq else length
+      candidates.append((_chain_log_prob(b, seq) / ((5 + n) / 6) ** alpha, seq))
+    candidates.sort()
+    best = candidates[-5:]  # increasing, best last, like the decoder
+    np.testing.assert_array_equal(tokens[b], [seq for _, seq in best])
+    np.testing.assert_allclose(scores[b], [s for s, _ in best], rtol=1e-5)
+
+
+def test_more_beams_never_score_below_greedy_here():
+  _, greedy_scores = _decode(decoding.greedy, batch=5, length=5)
+  for beams in (3, 8):
+    _, beam_scores = _decode(decoding.beam_search, batch=5, length=5, num_beams=beams,
+                             alpha=0.0)
+    assert np.all(beam_scores[:, -1] >= greedy_scores[:, 0] - 1e-5), beams
+
+
+def test_all_decodes_are_sorted_best_last_and_scored_truly():
+  tokens, scores = _decode(decoding.beam_search, batch=3, length=4, num_beams=4, alpha=0.0)
+  assert tokens.shape == (3, 4, 4) and scores.shape == (3, 4)
+  assert np.all(np.diff(scores, axis=1) >= 0)
+  for b, k in itertools.product(range(3), range(4)):
+    np.testing.assert_allclose(scores[b, k], _chain_log_prob(b, tokens[b, k]), rtol=1e-5)
+  assert len({tuple(t) for t in tokens[0]}) == 4
+  two, two_scores = _decode(decoding.beam_search, batch=3, length=4, num_beams=4, alpha=0.0,
+                            num_decodes=2)
+  np.testing.assert_array_equal(two, tokens[:, 2:])
+  np.testing.assert_allclose(two_scores, scores[:, 2:], rtol=1e-6)
+  sampled, sample_scores = _decode(decoding.temperature_sample, batch=3, num_decodes=6)
+  assert sampled.shape == (3, 6, 4)
+  assert np.all(np.diff(sample_scores, axis=1) >= 0)
+
+
+def test_brevity_penalty_is_t5x():
+  np.testing.assert_allclose(decoding.brevity_penalty(0.6, 7), (12 / 6) ** 0.6, rtol=1e-6)
+  assert float(decoding.brevity_penalty(0.0, 30)) == 1.0
+
+
+@pytest.mark.parametrize("decode_fn, kwargs, match", [
+    (decoding.temperature_sample, dict(temperature=-1.0), "temperature must be >= 0"),
+    (decoding.temperature_sample, dict(topk=-2), "topk must be >= 0"),
+    (decoding.temperature_sample, dict(topp=1.5), r"topp must be in \[0, 1\]"),
+    (decoding.greedy, dict(num_decodes=2), "use decoding.temperature_sample"),
+    (decoding.beam_search, dict(num_beams=0), "num_beams must be >= 1"),
+    (decoding.beam_search, dict(alpha=-0.1), "alpha must be >= 0"),
+    (decoding.beam_search, dict(num_beams=2, num_decodes=3), "at most num_beams=2"),
+    (decoding.greedy, dict(max_decode_length=0), "max_decode_length must be >= 1"),
+])
+def test_bad_knobs_are_named(decode_fn, kwargs, match):
+  cache, first = _chain_start(2)
+  kwargs = {"max_decode_length": 3, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    decode_fn(_chain_step, cache, first, eos_id=EOS, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Relative position biases and attention of a cached step.
+# ---------------------------------------------------------------------------
+
+
+def test_relative_position_bias_of_a_step_equals_the_row_of_the_full_square():
+  module = layers.RelativePositionBiases(num_buckets=10, max_distance=20, num_heads=4)
+  variables = jax.jit(module.init, static_argnums=(1, 2))(jax.random.key(0), 9, 9)
+  apply = jax.jit(module.apply, static_argnums=(1, 2, 3))
+  full = apply(variables, 9, 9, False)  # [1, heads, 9, 9]
+  positions = jnp.array([0, 4, 8])
+  step = apply(variables, 1, 9, False, positions)
+  assert step.shape == (3, 4, 1, 9)
+  for b, i in enumerate(positions.tolist()):
+    np.testing.assert_array_equal(step[b, :, 0], full[0, :, i])
+  scalar = apply(variables, 2, 9, False, 3)
+  np.testing.assert_array_equal(scalar[0], full[0, :, 3:5])
+
+
+def test_attention_step_without_prefill_or_keys_is_an_error():
+  module = layers.MultiHeadDotProductAttention(num_heads=4, head_dim=3)
+  x = jnp.ones((2, 1, 8))
+  variables = jax.jit(module.init)(jax.random.key(0), x, x)
+  step = layers.DecodeCache(length=5, position=jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match="run a prefill first"):
+    module.apply(variables, x, x, cache=step, mutable=["cache"])
+  with pytest.raises(ValueError, match="only in a cached step"):
+    module.apply(variables, x, None)
+  with pytest.raises(ValueError, match="cannot hold the 3 prefilled"):
+    module.apply(variables, jnp.ones((2, 3, 8)), jnp.ones((2, 3, 8)),
+                 cache=layers.DecodeCache(length=2), mutable=["cache"])
+
+
+# ---------------------------------------------------------------------------
+# Real tiny networks.
+# ---------------------------------------------------------------------------
+
+VOCAB_SIZE = 32
+VOCAB = seqio.PassThroughVocabulary(VOCAB_SIZE, eos_id=EOS)
+MOE = dict(num_experts=4, num_selected_experts=2, moe_layer_interval=2,
+           eval_capacity_factor=0.0)  # dropless, so routing is per token
+SAMPLE = functools.partial(decoding.temperature_sample, temperature=1.0)
+
+# Lengths differ from each other and from every model size.
+TEXTS = [([5, 6, 7, 8], [9, 10]), ([11], [12, 13, 14]), ([15, 16, 17, 18, 19, 20], [21])]
+ENCDEC_LENGTHS = {"inputs": 7, "targets": 6}
+PREFIX_LENGTHS = {"inputs": 7, "targets": 4}
+
+
+def _features(converter_cls, lengths):
+  ds = tf.data.Dataset.from_generator(
+      lambda: ({"inputs": i + [EOS], "targets": t + [EOS]} for i, t in TEXTS),
+      output_signature={k: tf.TensorSpec([None], tf.int32) for k in ("inputs", "targets")})
+  examples = list(converter_cls(pack=False)(ds, lengths).as_numpy_iterator())
+  return {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(kind):
+  if kind == "encdec":
+    return _features(seqio.EncDecFeatureConverter, ENCDEC_LENGTHS)
+  return _features(seqio.PrefixLMFeatureConverter, PREFIX_LENGTHS)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(config: transformer.TransformerConfig, decoder_only: bool):
+  """Params of the model's shapes drawn with numpy: a real init compiles for
+  seconds, and any weights with O(1) activations will do."""
+  module = (transformer.DecoderOnly if decoder_only else transformer.EncoderDecoder)(config)
+  model = (models.DecoderOnlyModel if decoder_only else models.EncoderDecoderModel)(
+      module, VOCAB, VOCAB, optax.sgd(0.1))
+  abstract = nn.unbox(_abstract_variables(model, _batch("prefix" if decoder_only else "encdec")))
+  rng = np.random.default_rng(0)
+
+  def draw(x):
+    std = 1.0 if x.ndim < 2 else x.shape[0] ** -0.5  # roughly fan-in scaled
+    return jnp.asarray(rng.normal(0.0, std, x.shape), x.dtype)
+
+  return jax.tree.map(draw, abstract["params"])
+
+
+def _abstract_variables(model, batch):
+  """Boxed variables as ShapeDtypeStructs, with their logical axes."""
+  shapes = {k: batch[k].shape for k in ("encoder_input_tokens", "decoder_input_tokens")
+            if k in batch}
+  return jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))
+
+
+@functools.lru_cache(maxsize=None)
+def _model(kind="encdec", decode_fn=None, max_decode_length=None, **overrides):
+  """(model, params, batch); kind is 'encdec', 'prefix' (bidirectional prefix)
+  or 'causal' (decoder-only whose prompt attends causally). Cached, so tests
+  asking for the same model share its compiled functions (see `_jit`)."""
+  decoder_only = kind != "encdec"
+  config = testing.tiny_config(vocab_size=VOCAB_SIZE,
+                               **({"num_encoder_layers": 0} if decoder_only else {}),
+                               **overrides)
+  kwargs = dict(decode_fn=decode_fn, max_decode_length=max_decode_length)
+  if decoder_only:
+    model = models.DecoderOnlyModel(transformer.DecoderOnly(config), VOCAB, VOCAB,
+                                    optax.sgd(0.1),
+                                    inputs_bidirectional_attention=kind == "prefix", **kwargs)
+  else:
+    model = models.EncoderDecoderModel(transformer.EncoderDecoder(config), VOCAB, VOCAB,
+                                       optax.sgd(0.1), **kwargs)
+  return model, _params(config, decoder_only), _batch("encdec" if kind == "encdec" else "prefix")
+
+
+@functools.lru_cache(maxsize=None)
+def _jit(model, method, **kwargs):
+  """`jax.jit` of a model method with keyword arguments bound, compiled once."""
+  return jax.jit(functools.partial(getattr(model, method), **kwargs))
+
+
+BEAM3 = functools.partial(decoding.beam_search, num_beams=3, alpha=0.0)
+BEAM1 = functools.partial(decoding.beam_search, num_beams=1, alpha=0.0)
+
+
+def _decodes(model, params, batch, use_cache, num_decodes=None):
+  run = _jit(model, "decode_batch", num_decodes=num_decodes, use_cache=use_cache)
+  tokens, scores = run(params, batch, jax.random.key(7))
+  return np.asarray(tokens), np.asarray(scores)
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("encdec", {}),
+    ("encdec", dict(scan_layers=True)),
+    pytest.param("encdec", MOE, marks=pytest.mark.slow),
+    ("prefix", {}),
+    ("causal", {}),
+    ("prefix", dict(scan_layers=True, **MOE)),
+], ids=["encdec", "encdec-scanned", "encdec-moe", "prefix", "causal", "prefix-scanned-moe"])
+def test_cached_sampling_equals_recomputing_the_full_forward_pass(kind, overrides):
+  # Sampling visits many different tokens, so every cache position matters;
+  # the same key makes both paths draw the same tokens iff logits agree.
+  model, params, batch = _model(kind, SAMPLE, max_decode_length=5, **overrides)
+  cached, cached_scores = _decodes(model, params, batch, True, num_decodes=2)
+  full, full_scores = _decodes(model, params, batch, False, num_decodes=2)
+  assert cached.shape == (3, 2, 5)
+  assert len(np.unique(cached)) > 6  # not a degenerate repetition
+  np.testing.assert_array_equal(cached, full)
+  np.testing.assert_allclose(cached_scores, full_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_beam_search_of_scanned_layers_equals_full_forward_pass():
+  # Beams reorder the cache, whose scanned leaves are [batch, layers, ...].
+  beam = functools.partial(decoding.beam_search, num_beams=3, alpha=0.6)
+  model, params, batch = _model("encdec", beam, scan_layers=True)
+  cached, cached_scores = _decodes(model, params, batch, True)
+  full, full_scores = _decodes(model, params, batch, False)
+  assert cached.shape == (3, 3, 6)
+  np.testing.assert_array_equal(cached, full)
+  np.testing.assert_allclose(cached_scores, full_scores, rtol=1e-5, atol=1e-5)
+
+
+def _manual_greedy(model, params, batch, length, prompt_lengths):
+  """Decoder-only greedy decoding by hand: append the argmax and rerun the
+  teacher-forced forward pass on the grown PrefixLM example, one at a time."""
+  logits_fn = _jit(model, "predict_logits")
+  out = np.zeros((len(prompt_lengths), length), np.int32)
+  total = batch["decoder_input_tokens"].shape[1] + length
+  for b, prompt_length in enumerate(prompt_lengths):
+    tokens = np.zeros((1, total), np.int32)
+    tokens[0, :prompt_length] = batch["decoder_input_tokens"][b, :prompt_length]
+    for i in range(length):
+      last = prompt_length - 1 + i
+      example = {"decoder_input_tokens": tokens,
+                 "decoder_target_tokens": (np.arange(total) <= last)[None].astype(np.int32),
+                 "decoder_causal_attention": (np.arange(total) < prompt_length)[None]}
+      token = int(np.argmax(logits_fn(params, example)[0, last]))
+      out[b, i] = token
+      if token == EOS:
+        break
+      tokens[0, last + 1] = token
+  return out
+
+
+def test_decoder_only_returns_the_continuation_left_aligned():
+  model, params, batch = _model("prefix", max_decode_length=4)
+  prompt_lengths = np.asarray(batch["decoder_causal_attention"]).sum(axis=1)
+  assert prompt_lengths.tolist() == [6, 3, 8]  # BOS, inputs and their EOS
+  tokens = np.asarray(_jit(model, "predict_batch_with_aux")(params, batch)[0])
+  assert tokens.shape == (3, 4)
+  np.testing.assert_array_equal(tokens, _manual_greedy(model, params, batch, 4, prompt_lengths))
+
+
+def test_score_batch_is_minus_the_summed_cross_entropy():
+  for kind in ("encdec", "prefix"):
+    model, params, batch = _model(kind)
+    scores, logits = jax.jit(lambda p, b, m=model: (m.score_batch(p, b),
+                                                    m.predict_logits(p, b)))(params, batch)
+    assert scores.shape == (3,)
+    for b in range(3):
+      sums = models.token_loss_sums(logits[b:b + 1], batch["decoder_target_tokens"][b:b + 1],
+                                    batch["decoder_loss_weights"][b:b + 1])
+      np.testing.assert_allclose(scores[b], -sums["cross_ent_sum"], rtol=1e-5)
+    assert np.all(scores < 0)
+
+
+def test_decode_scores_equal_score_batch_of_the_decodes():
+  model, params, batch = _model("encdec")
+  tokens, aux = _jit(model, "predict_batch_with_aux")(params, batch)
+  tokens = np.asarray(tokens)
+  rows = [b for b in range(3)
+          if 0 not in tokens[b, :list(tokens[b]).index(EOS) + 1 if EOS in tokens[b] else None]]
+  assert rows  # teacher forcing reads an early 0 as padding, so skip such rows
+  weights = np.zeros(tokens.shape, np.float32)
+  for b in range(3):
+    weights[b, :list(tokens[b]).index(EOS) + 1 if EOS in tokens[b] else None] = 1.0
+  decoded = {"encoder_input_tokens": batch["encoder_input_tokens"],
+             "decoder_target_tokens": tokens,
+             "decoder_input_tokens": np.pad(tokens[:, :-1], ((0, 0), (1, 0))),
+             "decoder_loss_weights": weights}
+  scores = _jit(model, "score_batch")(params, decoded)
+  np.testing.assert_allclose(np.asarray(scores)[rows], np.asarray(aux["scores"])[rows],
+                             rtol=1e-5)
+
+
+def test_predict_api_shapes_ordering_and_beam_width():
+  model, params, batch = _model("encdec", BEAM3)
+  tokens, aux = _jit(model, "predict_batch_with_aux", return_all_decodes=True)(params, batch)
+  assert tokens.shape == (3, 3, 6) and aux["scores"].shape == (3, 3)
+  assert tokens.dtype == jnp.int32
+  assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) >= 0)
+  greedy_model = _model("encdec")[0]
+  greedy_tokens, greedy_aux = _jit(greedy_model, "predict_batch_with_aux")(params, batch)
+  assert greedy_tokens.shape == (3, 6) and greedy_aux["scores"].shape == (3,)
+  assert np.all(aux["scores"][:, -1] >= greedy_aux["scores"] - 1e-5)
+
+
+def test_model_beam_of_one_equals_greedy():
+  model, params, batch = _model("prefix", max_decode_length=4)
+  greedy, greedy_aux = _jit(model, "predict_batch_with_aux")(params, batch)
+  beam_model = _model("prefix", BEAM1, max_decode_length=4)[0]
+  beam, beam_aux = _jit(beam_model, "predict_batch_with_aux")(params, batch)
+  np.testing.assert_array_equal(beam, greedy)
+  np.testing.assert_allclose(beam_aux["scores"], greedy_aux["scores"], rtol=1e-5)
+
+
+def test_inference_feature_converters_and_decode_defaults():
+  encdec, _, batch = _model("encdec")
+  assert encdec.INFERENCE_FEATURE_CONVERTER_CLS is seqio.EncDecFeatureConverter
+  assert models.DecoderOnlyModel.INFERENCE_FEATURE_CONVERTER_CLS is seqio.PrefixLMFeatureConverter
+  assert encdec.decode_fn is decoding.greedy and encdec.max_decode_length is None
+  with pytest.raises(ValueError, match="max_decode_length must be >= 1"):
+    _model("encdec", max_decode_length=0)
+  with pytest.raises(ValueError, match="decode_fn must be a function"):
+    _model("encdec", decode_fn="beam_search")
+  causal, params, prefix_batch = _model("causal")
+  without = {k: v for k, v in prefix_batch.items() if k != "decoder_causal_attention"}
+  with pytest.raises(ValueError, match="PrefixLMFeatureConverter"):
+    causal.predict_batch(params, without)
+  with pytest.raises(ValueError, match="max_decode_length or a 'decoder_input_tokens'"):
+    encdec.predict_batch(params, {"encoder_input_tokens": batch["encoder_input_tokens"]})
+
+
+def test_gin_configures_the_decoder_of_a_model():
+  gin.clear_config()
+  try:
+    gin.parse_config(textwrap.dedent("""
+        from __gin__ import dynamic_registration
+        from t5lite import decoding
+        from t5lite.models import models
+
+        models.EncoderDecoderModel.decode_fn = @decoding.beam_search
+        models.EncoderDecoderModel.max_decode_length = 4
+        decoding.beam_search.num_beams = 2
+        decoding.beam_search.alpha = 0.0
+    """))
+    plain, params, batch = _model("encdec")
+    model = gin.get_configurable(models.EncoderDecoderModel)(plain.module, VOCAB, VOCAB,
+                                                             optax.sgd(0.1))
+    tokens, aux = jax.jit(functools.partial(model.predict_batch_with_aux,
+                                            return_all_decodes=True))(params, batch)
+  finally:
+    gin.clear_config()
+  assert tokens.shape == (3, 2, 4) and aux["scores"].shape == (3, 2)
+
+
+def test_predict_and_score_under_a_mesh_with_logical_rules():
+  model, params, batch = _model("encdec", BEAM3)
+  partitioner = partitioning.Partitioner(num_partitions=1)
+  predict = partitioner.partition(model.predict_batch, None, None)
+  every = _jit(model, "predict_batch_with_aux", return_all_decodes=True)(params, batch)[0]
+  np.testing.assert_array_equal(predict(params, batch), every[:, -1])
+  scorer = _model("encdec")[0]  # scoring ignores the decoder
+  score = partitioner.partition(scorer.score_batch, None, None)
+  np.testing.assert_allclose(score(params, batch), _jit(scorer, "score_batch")(params, batch),
+                             rtol=1e-5)
+
+
+_SHARDED = """
+import functools, sys
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {tests_dir!r})
+import test_decoding as t
+from t5lite import decoding, partitioning
+
+cases = (("encdec", t.MOE, functools.partial(decoding.beam_search, num_beams=2),
+          {{"data": 2, "expert": 2, "model": 2}}),
+         ("prefix", dict(scan_layers=True), t.SAMPLE, {{"data": 4, "model": 2}}))
+for kind, overrides, decode_fn, mesh_shape in cases:
+  model, params, batch = t._model(kind, decode_fn, max_decode_length=5, **overrides)
+  batch = {{k: jnp.tile(v, (3, 1))[:8] for k, v in batch.items()}}
+  rng = jax.random.key(3)
+  expected = jax.jit(model.predict_batch_with_aux)(params, batch, rng)
+  partitioner = partitioning.Partitioner(mesh_shape=mesh_shape)
+  specs = nn.get_partition_spec(t._abstract_variables(model, batch))["params"]
+  params = jax.device_put(params, partitioner.logical_to_sharding(specs))
+  batch = jax.device_put(batch, partitioner.batch_sharding())
+  tokens, aux = partitioner.partition(model.predict_batch_with_aux, None, None)(
+      params, batch, rng)
+  assert len(tokens.sharding.device_set) == 8, tokens.sharding
+  np.testing.assert_array_equal(tokens, expected[0])
+  np.testing.assert_allclose(aux["scores"], expected[1]["scores"], rtol=1e-4, atol=1e-4)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_sharded_predict_on_eight_devices_equals_one_device():
+  tests_dir = os.path.dirname(os.path.abspath(__file__))
+  result = testing.run_with_devices(_SHARDED.format(tests_dir=tests_dir), num_devices=8)
+  assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
