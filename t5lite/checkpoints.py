@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
+from absl import logging
 from etils import epath
 
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -217,7 +218,20 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
 
 
 def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
-  return os.path.isdir(os.path.join(str(manager.directory), str(step), _DATASET))
+  """Whether `step` holds data iterators this run can continue from.
+
+  Each process saved the position in its own shard; with a different number
+  of processes the shards differ, so those positions mean nothing here.
+  """
+  path = os.path.join(str(manager.directory), str(step), _DATASET)
+  if not os.path.isdir(path):
+    return False
+  saved = sum(name.startswith("process_") for name in os.listdir(path))
+  if saved != jax.process_count():
+    logging.warning("Checkpoint %s holds data iterators of %d processes but this run has %d; "
+                    "the data position is replayed instead.", step, saved, jax.process_count())
+    return False
+  return True
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,

@@ -552,6 +552,10 @@ def _resolve_seed(random_seed: int | None) -> int:
   if random_seed is not None:
     return int(random_seed)
   seed = int(time.time() * 1000) % (2**31)
+  if jax.process_count() > 1:
+    # Clocks differ between hosts; every process must init and drop out alike.
+    from jax.experimental import multihost_utils
+    seed = int(multihost_utils.broadcast_one_to_all(np.asarray(seed, np.int32)))
   metrics_lib.log_line(f"random_seed not set; using {seed}")
   return seed
 
