@@ -31,6 +31,7 @@ test-fast: install
 bench: install
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/checkpoint_blocking.py
+	$(BIN)/python benchmarks/decode.py
 
 lint: install
 	$(BIN)/ruff check t5lite tests benchmarks
