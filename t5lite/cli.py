@@ -312,6 +312,7 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
   except Exception as error:
     import traceback
     traceback.print_exc()
+    distributed.blame_lost_peer(error)
     _stop(1, one_line(error))
   distributed.finish()
 

@@ -111,8 +111,15 @@ def validate(config: DistributedConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Job:
-  """Where this process stands in the job, once resolved."""
+class Job:
+  """The job as this process resolved it, from flags or the cluster.
+
+  Attributes:
+    coordinator_address: 'host:port' of process 0's coordination service.
+    process_count: number of processes.
+    process_index: this process's index.
+    local_device_ids: the local devices this process uses; None for all.
+  """
 
   coordinator_address: str
   process_count: int
@@ -120,7 +127,7 @@ class _Job:
   local_device_ids: Sequence[int] | None
 
 
-def _resolve_job(config: DistributedConfig) -> _Job:
+def _resolve_job(config: DistributedConfig) -> Job:
   """The job from the flags, or from the cluster environment JAX detects.
 
   Raises:
@@ -129,7 +136,7 @@ def _resolve_job(config: DistributedConfig) -> _Job:
   if config.explicit:
     # Without cluster detection a process sees all of its host's devices, even
     # under SLURM, where detection would narrow it to one GPU per task.
-    return _Job(config.coordinator_address, config.process_count, config.process_index, None)
+    return Job(config.coordinator_address, config.process_count, config.process_index, None)
   from jax._src import clusters  # the detection jax.distributed.initialize() runs itself
   env_ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
   local = [int(i) for i in env_ids.split(",")] if env_ids else None
@@ -141,17 +148,17 @@ def _resolve_job(config: DistributedConfig) -> _Job:
         "--multiprocess_gpu found no cluster environment (SLURM or Open MPI) to take the "
         "coordinator address, process count and process index from; launch with srun or "
         "mpirun, or pass --coordinator_address, --process_count and --process_index.")
-  return _Job(address, int(count), int(index), local)
+  return Job(address, int(count), int(index), local)
 
 
 def _stop_process(exit_code: int, message: str) -> None:
   """Prints one line and ends the process at once, whatever other threads do."""
   print(f"t5lite: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()
-  os._exit(exit_code)  # noqa: SLF001 - the main thread may be stuck in a collective
+  os._exit(exit_code)  # not sys.exit: the main thread may be stuck in a collective
 
 
-def _join_timeout_message(job: _Job, timeout: int) -> str:
+def _join_timeout_message(job: Job, timeout: int) -> str:
   fix = (f"Start every process with --coordinator_address={job.coordinator_address} "
          f"--process_count={job.process_count} and its own --process_index, check that they "
          "can reach that address, or raise --initialization_timeout.")
@@ -166,7 +173,7 @@ def _join_timeout_message(job: _Job, timeout: int) -> str:
 
 
 @contextlib.contextmanager
-def _join_deadline(job: _Job, timeout: int) -> Iterator[None]:
+def _join_deadline(job: Job, timeout: int) -> Iterator[None]:
   """Stops this process with a message if joining takes longer than `timeout`."""
   def expire():
     message = _join_timeout_message(job, timeout)
@@ -195,7 +202,7 @@ def _service_names_missing_processes(timeout: int) -> Iterator[None]:
   factory it calls is wrapped for the duration of the call.
   """
   from jax._src import distributed as jax_distributed
-  runtime = jax_distributed._jax  # noqa: SLF001
+  runtime = jax_distributed._jax
   original = runtime.get_distributed_runtime_service
 
   def service(*args, **kwargs):
@@ -219,7 +226,7 @@ def _process_names(processes: Sequence[int]) -> str:
   return f"processes {', '.join(map(str, processes[:-1]))} and {processes[-1]}"
 
 
-class _Watchdog:
+class Watchdog:
   """Heartbeats through the coordination service and stops this process when
   a peer fails or goes silent.
 
@@ -233,7 +240,7 @@ class _Watchdog:
     timeout: seconds of silence after which a peer counts as dead.
   """
 
-  def __init__(self, client, job: _Job, timeout: int):
+  def __init__(self, client, job: Job, timeout: int):
     self._client, self._job, self._timeout = client, job, timeout
     self._interval = min(max(timeout / 5, 0.2), 5.0)
     now = time.monotonic()
@@ -275,25 +282,32 @@ class _Watchdog:
         return
       time.sleep(self._interval / 2)
 
+  def wait_for_verdict(self) -> None:
+    """Gives the judge one heartbeat timeout to stop this process over a silent
+    or failed peer; returns if none turns up."""
+    deadline = time.monotonic() + self._timeout + 2 * self._interval
+    while time.monotonic() < deadline and not self._stop.is_set():
+      time.sleep(self._interval / 2)
+
   def _beat(self) -> None:
     count = 0
     while not self._stop.is_set():
       try:
         self._client.key_value_set(self._key("alive"), str(count), allow_overwrite=True)
-        self._record(self._client.key_value_dir_get(f"{_KEY_PREFIX}/"))
+        self.record(self._client.key_value_dir_get(f"{_KEY_PREFIX}/"), time.monotonic())
       except Exception:  # noqa: BLE001 - silence is what the judge measures
         pass
       count += 1
       self._stop.wait(self._interval)
 
-  def _record(self, entries: Sequence[tuple[str, str]]) -> None:
-    now = time.monotonic()
+  def record(self, entries: Sequence[tuple[str, str]], now: float) -> None:
+    """Takes in the watchdog keys read from the coordinator at time `now`."""
     with self._lock:
       self._contact = now
       for key, value in entries:
         kind, _, process = key[len(_KEY_PREFIX) + 1:].partition("/")
-        process = int(process)
-        if process == self._job.process_index:
+        process = int(process) if process.isdigit() else -1
+        if process == self._job.process_index or not 0 <= process < self._job.process_count:
           continue
         if kind == "alive" and value != self._heard[process][0]:
           self._heard[process] = (value, now)
@@ -332,7 +346,7 @@ class _Watchdog:
     return None
 
 
-_WATCHDOG: _Watchdog | None = None
+_WATCHDOG: Watchdog | None = None
 
 
 def initialize(config: DistributedConfig) -> None:
@@ -364,8 +378,20 @@ def initialize(config: DistributedConfig) -> None:
         heartbeat_timeout_seconds=config.heartbeat_timeout + _JAX_BACKSTOP_S)
   if job.process_count > 1:
     from jax._src import distributed as jax_distributed
-    _WATCHDOG = _Watchdog(jax_distributed.global_state.client, job, config.heartbeat_timeout)
+    _WATCHDOG = Watchdog(jax_distributed.global_state.client, job, config.heartbeat_timeout)
     _WATCHDOG.start()
+
+
+def blame_lost_peer(error: BaseException) -> None:
+  """Lets the watchdog name a dead peer behind `error`, if there is one.
+
+  A collective can notice a peer's death before the heartbeat timeout does
+  (gloo reports a reset connection as a runtime error). For such an error
+  the watchdog gets one heartbeat timeout to stop this process with the
+  peer named; otherwise, and for any other error, this returns.
+  """
+  if _WATCHDOG is not None and isinstance(error, jax.errors.JaxRuntimeError):
+    _WATCHDOG.wait_for_verdict()
 
 
 def report_failure(exit_code: int, message: str) -> None:
@@ -389,7 +415,7 @@ def report_failure(exit_code: int, message: str) -> None:
   sys.stderr.flush()
   # Not sys.exit: JAX's exit handler would wait for the peers at a shutdown
   # barrier they never reach.
-  os._exit(exit_code)  # noqa: SLF001
+  os._exit(exit_code)
 
 
 def finish() -> None:

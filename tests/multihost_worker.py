@@ -17,15 +17,19 @@ import jax
 import numpy as np
 
 from t5lite import distributed
-from t5lite import partitioning
-from t5lite import testing
-from t5lite import train as train_lib
-from t5lite.data import datasets
 
-# Unshuffled, unpacked and free of random preprocessing, so the rows do not
-# depend on how many processes split them.
-DATA = datasets.DatasetConfig("t5lite_arithmetic", {"inputs": 32, "targets": 16}, "train",
-                              batch_size=8, shuffle=False, seed=0, pack=False)
+# The data pipeline (TensorFlow, seqio) loads only in `data` mode, so `hold`
+# processes start in a moment.
+DATA_CONFIG = dict(mixture_or_task_name="t5lite_arithmetic",
+                   task_feature_lengths={"inputs": 32, "targets": 16}, split="train",
+                   batch_size=8, shuffle=False, seed=0, pack=False)
+
+
+def data_config():
+  """Unshuffled, unpacked and free of random preprocessing, so the rows do not
+  depend on how many processes split them."""
+  from t5lite.data import datasets
+  return datasets.DatasetConfig(**DATA_CONFIG)
 
 
 def _parse() -> argparse.Namespace:
@@ -42,15 +46,20 @@ def _parse() -> argparse.Namespace:
 
 def _data() -> dict:
   from jax.experimental import multihost_utils
+
+  from t5lite import partitioning, testing
+  from t5lite import train as train_lib
+  from t5lite.data import datasets
+  cfg = data_config()
   partitioner = partitioning.Partitioner(mesh_shape={"data": -1})
   model = testing.tiny_encoder_decoder()
-  layout = partitioner.get_data_layout(DATA.batch_size)
-  local = next(datasets.get_dataset(DATA, layout.shard_id, layout.num_shards,
+  layout = partitioner.get_data_layout(cfg.batch_size)
+  local = next(datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
                                     model.FEATURE_CONVERTER_CLS).as_numpy_iterator())
-  batch = next(train_lib.TrainData(model, DATA, partitioner))
+  batch = next(train_lib.TrainData(model, cfg, partitioner))
   inputs = batch["encoder_input_tokens"]
   # Every device of this process holds rows of this process's own batch.
-  rows_per_process = DATA.batch_size // layout.num_shards
+  rows_per_process = cfg.batch_size // layout.num_shards
   offset = layout.shard_id * rows_per_process
   placed = all(
       np.array_equal(np.asarray(s.data),

@@ -108,53 +108,54 @@ class _FakeClient:
     pass
 
 
-def _watchdog(count=3, index=0, timeout=10):
-  job = distributed._Job("node0:1234", count, index, None)  # noqa: SLF001
-  return distributed._Watchdog(_FakeClient(), job, timeout)  # noqa: SLF001
+def _watchdog(count, index, timeout=10):
+  job = distributed.Job("node0:1234", count, index, None)
+  return distributed.Watchdog(_FakeClient(), job, timeout)
+
+
+def _alive(**counters):
+  return [(f"t5lite_watchdog/alive/{p[1:]}", str(c)) for p, c in counters.items()]
 
 
 def test_watchdog_names_silent_peers_only_after_the_timeout():
   dog = _watchdog(count=4, index=2)
-  start = time.monotonic()
-  dog._record([("t5lite_watchdog/alive/0", "1"), ("t5lite_watchdog/alive/1", "1"),  # noqa: SLF001
-               ("t5lite_watchdog/alive/3", "1")])
-  assert dog.verdict(start + 5) is None
-  # Process 1 keeps beating, 0 and 3 fall silent.
-  dog._record([("t5lite_watchdog/alive/0", "1"), ("t5lite_watchdog/alive/1", "2"),  # noqa: SLF001
-               ("t5lite_watchdog/alive/3", "1")])
-  with dog._lock:  # noqa: SLF001 - pretend the last change of 1 and the contact were later
-    dog._heard[1] = ("2", start + 9)  # noqa: SLF001
-    dog._contact = start + 9  # noqa: SLF001
-  code, message = dog.verdict(start + 12)
+  t = time.monotonic()
+  dog.record(_alive(p0=1, p1=1, p3=1), t)
+  assert dog.verdict(t + 10) is None
+  # Process 1 keeps counting; 0 and 3 fall silent.
+  dog.record(_alive(p0=1, p1=2, p3=1), t + 9)
+  code, message = dog.verdict(t + 10.5)
   assert code == distributed.PEER_LOST_EXIT
   assert message.startswith("processes 0 and 3 of 4 stopped responding: no heartbeat for 10 s")
 
 
 def test_watchdog_blames_the_coordinator_when_it_cannot_be_reached():
   dog = _watchdog(count=2, index=1)
-  code, message = dog.verdict(time.monotonic() + 11)
+  t = time.monotonic()
+  dog.record(_alive(p0=1), t)
+  assert dog.verdict(t + 9) is None
+  code, message = dog.verdict(t + 11)
   assert code == distributed.PEER_LOST_EXIT
   assert message.startswith("process 0 of 2 (the coordinator at node0:1234) stopped responding")
   # Once this process is finishing, the coordinator may shut down first; a
   # peer that falls silent before it announced its own finish is still named.
   dog.announce("done", "")
-  assert dog.verdict(time.monotonic() + 11)[1].startswith(
+  assert dog.verdict(t + 11)[1].startswith(
       "process 0 of 2 stopped responding: no heartbeat for 10 s")
 
 
 def test_watchdog_repeats_a_failed_peers_message_and_status():
-  dog = _watchdog(count=2, index=0)
-  dog._record([("t5lite_watchdog/failed/1", "2|ValueError: bad config")])  # noqa: SLF001
+  dog = _watchdog(count=3, index=0)
+  dog.record([("t5lite_watchdog/failed/2", "2|ValueError: bad config")], time.monotonic())
   assert dog.verdict(time.monotonic()) == (
-      2, "process 1 of 2 failed (ValueError: bad config); stopping this one too.")
+      2, "process 2 of 3 failed (ValueError: bad config); stopping this one too.")
 
 
 def test_watchdog_ignores_peers_that_finished():
-  dog = _watchdog(count=2, index=0)
-  dog._record([("t5lite_watchdog/done/1", "")])  # noqa: SLF001
-  with dog._lock:  # noqa: SLF001
-    dog._contact = time.monotonic() + 100  # noqa: SLF001
-  assert dog.verdict(time.monotonic() + 50) is None
+  dog = _watchdog(count=3, index=0)
+  t = time.monotonic()
+  dog.record([("t5lite_watchdog/done/1", ""), ("t5lite_watchdog/stopped/2", "")], t + 50)
+  assert dog.verdict(t + 55) is None
 
 
 # ---------------------------------------------------------------------------
@@ -185,10 +186,11 @@ def test_each_process_reads_its_own_shard_into_one_global_batch(tmp_path):
   # Both see the same global batch: process 0's rows, then process 1's ...
   assert got[0]["global_rows"] == got[1]["global_rows"] == rows0 + rows1
   # ... which holds the examples one process reading everything would batch.
-  from multihost_worker import DATA
+  from multihost_worker import data_config
   from t5lite.data import datasets
   from t5lite.models import models
-  whole = next(datasets.get_dataset(DATA, 0, 1, models.EncoderDecoderModel.FEATURE_CONVERTER_CLS)
+  whole = next(datasets.get_dataset(data_config(), 0, 1,
+                                    models.EncoderDecoderModel.FEATURE_CONVERTER_CLS)
                .as_numpy_iterator())["encoder_input_tokens"].tolist()
   assert sorted(whole) == sorted(rows0 + rows1)
 
@@ -278,16 +280,39 @@ def test_peer_that_never_arrives_stops_process_0_within_the_initialization_timeo
 
 @pytest.mark.slow
 def test_failing_peer_stops_the_others_with_its_message(tmp_path):
+  # Only process 1 is given a MODEL_DIR inside a file, which cannot exist.
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+
   def args(i):
-    model_dir = tmp_path / "run" if i == 0 else "/proc/t5lite-not-writable"
+    model_dir = tmp_path / "run" if i == 0 else blocker / "run"
     return [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4"]
 
   started = time.monotonic()
   ok, bad = run_two_processes(args, cwd=str(tmp_path), heartbeat_timeout=60)
-  assert bad.returncode == 2
-  assert "MODEL_DIR '/proc/t5lite-not-writable' is not writable" in bad.last_error_line()
+  assert bad.returncode == 2, bad.stderr[-3000:]
+  assert f"MODEL_DIR '{blocker / 'run'}' is not writable" in bad.last_error_line()
   # Process 0 stops with the same status, naming process 1 and its reason,
   # without waiting for the 60 s heartbeat timeout.
   assert ok.returncode == 2, ok.stderr[-3000:]
   assert ok.last_error_line().startswith("t5lite: process 1 of 2 failed (ValueError: MODEL_DIR")
   assert ok.ended_at - started < 60
+
+
+@pytest.mark.slow
+def test_lost_coordinator_stops_the_other_process(tmp_path):
+  # Process 0 hosts the coordination service. JAX notices its loss at once
+  # (the service's socket closes) and aborts with its own message naming the
+  # leader; on a host that vanishes without closing sockets, the watchdog
+  # names it after the heartbeat timeout. Either way nothing hangs.
+  heartbeat = 5
+  job = start_job(lambda i: ["hold"], cwd=str(tmp_path), log_dir=str(tmp_path / "logs"),
+                  script="multihost_worker.py", heartbeat_timeout=heartbeat)
+  job.wait_for_output(1, "collectives running", timeout=120)
+  job.kill(0)
+  killed_at = time.monotonic()
+  _, other = job.wait(timeout=60)
+  assert other.returncode != 0
+  assert ("leader task was preempted/died" in other.stderr
+          or "process 0 of 2 (the coordinator at localhost:" in other.stderr), other.stderr[-3000:]
+  assert other.ended_at - killed_at < heartbeat + 10
