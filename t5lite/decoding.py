@@ -148,8 +148,8 @@ def _sample_loop(choose: Callable[[Array, Array], Array], tokens_to_logits: Toke
 def _sorted_decodes(tokens: Array, scores: Array, batch: int,
                     num_decodes: int) -> tuple[Array, Array]:
   """`[batch * k, D]`, `[batch * k]` -> `[batch, k, D]`, `[batch, k]`, best last."""
-  tokens = tokens.reshape(batch, num_decodes, -1)
-  scores = scores.reshape(batch, num_decodes)
+  tokens = tokens.reshape(batch, num_decodes, -1)  # [batch, k, D]
+  scores = scores.reshape(batch, num_decodes)  # [batch, k]
   order = jnp.argsort(scores, axis=1)  # [batch, k], increasing
   return _gather(tokens, order), jnp.take_along_axis(scores, order, axis=1)
 
@@ -287,8 +287,8 @@ def _reorder_cache(cache: Cache, parents: Array) -> Cache:
   batch, beams = parents.shape
 
   def reorder(x: Array) -> Array:
-    x = x.reshape((batch, beams) + x.shape[1:])  # [B, K, ...]
-    return _gather(x, parents).reshape((batch * beams,) + x.shape[2:])
+    x = x.reshape((batch, beams) + x.shape[1:])  # [B * K, ...] -> [B, K, ...]
+    return _gather(x, parents).reshape((batch * beams,) + x.shape[2:])  # [B * K, ...]
 
   return jax.tree.map(reorder, cache)
 
@@ -304,7 +304,9 @@ def _beam_step(s: _BeamState, logits: Array, cache: Cache, eos_id: int | None,
   """
   batch, beams, _ = s.alive_tokens.shape
   vocab = logits.shape[-1]
+  # [B * K, vocab] -> [B, K, vocab]
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(batch, beams, vocab)
+  # [B, K, vocab] -> [B, K * vocab]: extension (k, token) sits at k * vocab + token.
   candidates = (s.alive_log_probs[..., None] + log_probs).reshape(batch, beams * vocab)
   top_log_probs, top_index = lax.top_k(candidates, 2 * beams)  # [B, 2K], decreasing
   parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)

@@ -41,6 +41,12 @@ which feeds one token per example at its own position. Cache leaves are
 `[batch, length, heads, kv]`, or `[batch, layers or blocks, length, heads,
 kv]` under `scan_layers`: the batch stays the leading axis so that a decoder
 can repeat or reorder examples (beams) without knowing the layout.
+
+MoE layers route tokens in groups whose capacity depends on the group's
+token count, so a cached decode can route differently from a full forward
+pass: a step routes only the current token of each example, a full pass the
+whole sequence (padding included). The two agree exactly only when no token
+is dropped: dropless (`eval_capacity_factor <= 0`) or a generous capacity.
 """
 
 from __future__ import annotations
