@@ -13,6 +13,7 @@ JSONL.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -46,8 +47,11 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list
   if cfg.mode not in _MODES:
     raise ValueError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
                      f"{list(_MODES)}.")
-  if cfg.mode != "all":
-    directory, step = ckpt_lib.resolve_restore_path(cfg)
+  name = os.path.basename(os.path.normpath(cfg.path))
+  if cfg.mode != "all" or (name.isdigit() and os.path.isdir(cfg.path)):
+    # 'all' on one step directory means that checkpoint.
+    mode = "specific" if cfg.mode == "all" else cfg.mode
+    directory, step = ckpt_lib.resolve_restore_path(dataclasses.replace(cfg, mode=mode))
     return directory, [step]
   directory, steps = ckpt_lib.list_steps(cfg.path)
   if not steps:

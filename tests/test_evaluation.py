@@ -121,3 +121,84 @@ def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
   metrics = [json.loads(line) for line in (out / "t5lite_test_echo-metrics.jsonl").open()]
   assert metrics == [{"step": 7, "accuracy": 100.0, "score_order": 100.0}]
   assert scalars(str(out / "t5lite_test_echo"), "accuracy") == {7: 100.0}
+
+
+FINETUNE_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finetune.gin",
+                 "--gin_file=gin/testing/local_tiny.gin", "--gin.INITIAL_CHECKPOINT_PATH=None",
+                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'"]
+EVAL_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/eval.gin",
+             "--gin_file=gin/testing/local_tiny.gin",
+             "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'"]
+
+
+def _read(path):
+  with open(path) as f:
+    return f.read()
+
+
+@pytest.mark.slow
+def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path):
+  model_dir, eval_dir = str(tmp_path / "run"), str(tmp_path / "eval")
+  result = run_cli([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  trained = os.path.join(model_dir, "inference_eval")
+  assert scalars(os.path.join(trained, "t5lite_arithmetic"), "accuracy").keys() == {2, 4}
+
+  args = [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}'", f"--gin.EVAL_OUTPUT_DIR='{eval_dir}'"]
+  result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = os.path.join(eval_dir, "inference_eval")
+  # Same checkpoints, same decodes, same metrics as training logged.
+  for name in ("t5lite_arithmetic-000002.jsonl", "t5lite_arithmetic-000004.jsonl",
+               "t5lite_arithmetic-metrics.jsonl"):
+    assert _read(os.path.join(evaluated, name)) == _read(os.path.join(trained, name)), name
+  assert len(_read(os.path.join(evaluated, "t5lite_arithmetic-000004.jsonl")).splitlines()) \
+      == 1000  # every validation example
+  assert scalars(os.path.join(evaluated, "t5lite_arithmetic"), "accuracy") == \
+      scalars(os.path.join(trained, "t5lite_arithmetic"), "accuracy")
+
+  # A second pass over the directory skips both steps.
+  result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Skipping steps already evaluated: [2, 4]" in result.stdout
+
+  # One step directory evaluates that checkpoint only, even if done before.
+  one = [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}/checkpoints/2'",
+         f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'one'}'"]
+  result = run_cli(one, cwd=str(tmp_path), script="t5lite-eval")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / "one" / "inference_eval")) == [
+      "evaluated_steps.json", "t5lite_arithmetic", "t5lite_arithmetic-000002.jsonl",
+      "t5lite_arithmetic-metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path):
+  import json
+
+  model_dir = str(tmp_path / "run")
+  result = run_cli([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                    "--gin.INFER_EVAL_DATASET_CFG=None"], cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  (tmp_path / "questions.txt").write_text("add: 1 + 2\n\nsub: 10 - 3\nadd: 7 + 7\n")
+  common = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/infer.gin",
+            "--gin_file=gin/testing/local_tiny.gin", f"--gin.CHECKPOINT_PATH='{model_dir}'",
+            f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'"]
+  result = run_cli([*common, f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
+                   cwd=str(tmp_path), script="t5lite-infer")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "out" / "questions-4.jsonl").open()]
+  assert [r["inputs"] for r in rows] == ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
+  assert all(isinstance(r["prediction"], str) and r["score"] <= 0 for r in rows)
+
+  result = run_cli([*common, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+                    "--gin.NUM_EXAMPLES=5"], cwd=str(tmp_path), script="t5lite-infer")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "out" / "t5lite_arithmetic-4.jsonl").open()]
+  assert len(rows) == 5 and all(set(r) == {"inputs", "targets", "prediction", "score"}
+                                for r in rows)
+
+  # Neither a task nor a file: one line, exit 2.
+  result = run_cli(common, cwd=str(tmp_path), script="t5lite-infer")
+  assert result.returncode == 2
+  assert "Give exactly one of MIXTURE_OR_TASK_NAME" in result.stderr
