@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 
@@ -240,7 +241,7 @@ class Watchdog:
     timeout: seconds of silence after which a peer counts as dead.
   """
 
-  def __init__(self, client, job: Job, timeout: int):
+  def __init__(self, client: Any, job: Job, timeout: int):
     self._client, self._job, self._timeout = client, job, timeout
     self._interval = min(max(timeout / 5, 0.2), 5.0)
     now = time.monotonic()
@@ -253,10 +254,12 @@ class Watchdog:
     self._stop = threading.Event()
 
   def start(self) -> None:
+    """Starts the heartbeat and judge threads (daemons: they never hold up exit)."""
     for target in (self._beat, self._judge):
       threading.Thread(target=target, name=f"t5lite-{target.__name__[1:]}", daemon=True).start()
 
   def stop(self) -> None:
+    """Ends both threads; no verdict is acted on after this."""
     self._stop.set()
 
   def _key(self, kind: str, process: int | None = None) -> str:

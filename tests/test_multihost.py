@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from multihost import BIN, free_port, process_env, run_two_processes, start_job
+from multihost import BIN, free_port, run_two_processes, start_job
 from test_cli import TINY, scalars
 
 from t5lite import distributed
@@ -35,9 +35,19 @@ def _no_cluster_env():
   return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
 
 
-def _run_one(args, cwd, devices=8, script="t5lite-train"):
-  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=process_env(devices),
-                        capture_output=True, text=True, timeout=600)
+def _start(args, tmp_path, name, processes):
+  """Starts a training run of 1 process with 8 devices or 2 with 4 each."""
+  log_dir = str(tmp_path / "logs" / name)
+  if processes == 1:
+    return start_job(lambda i: args, cwd=str(tmp_path), log_dir=log_dir, count=1,
+                     devices_per_process=8, with_distributed_flags=False)
+  return start_job(lambda i: args, cwd=str(tmp_path), log_dir=log_dir, count=2)
+
+
+def _finished(job):
+  results = job.wait(timeout=600)
+  assert all(r.returncode == 0 for r in results), job.describe()
+  return results
 
 
 # ---------------------------------------------------------------------------
@@ -209,11 +219,11 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
   def args(model_dir, steps=4):
     return [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
 
+  # Independent runs go two at a time: most of a short run is start-up.
   one, two = tmp_path / "one", tmp_path / "two"
-  ref = _run_one(args(one), cwd=str(tmp_path))
-  assert ref.returncode == 0, ref.stderr[-3000:]
-  results = run_two_processes(lambda i: args(two), cwd=str(tmp_path))
-  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+  ref_job, two_job = _start(args(one), tmp_path, "one", 1), _start(args(two), tmp_path, "two", 2)
+  _finished(ref_job)
+  results = _finished(two_job)
 
   want = _losses(one)
   assert sorted(want) == [1, 2, 3, 4]
@@ -233,12 +243,11 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
   to_one, to_two = tmp_path / "to_one", tmp_path / "to_two"
   _copy_checkpoint(two, 2, to_one)
   _copy_checkpoint(one, 2, to_two)
-  resumed = _run_one(args(to_one), cwd=str(tmp_path))
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "Restoring step 2" in resumed.stdout
-  results = run_two_processes(lambda i: args(to_two), cwd=str(tmp_path))
-  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
-  assert "Restoring step 2" in results[0].stdout
+  one_job = _start(args(to_one), tmp_path, "to_one", 1)
+  two_job = _start(args(to_two), tmp_path, "to_two", 2)
+  (resumed,) = _finished(one_job)
+  results = _finished(two_job)
+  assert "Restoring step 2" in resumed.stdout and "Restoring step 2" in results[0].stdout
   for model_dir in (to_one, to_two):
     got = _losses(model_dir)
     assert sorted(got) == [3, 4], model_dir
