@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -26,7 +27,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Shared with the single-process CLI tests (see test_cli.JAX_CACHE): repeated
 # runs load compiled programs instead of compiling them again.
 JAX_CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"), "t5lite-test-xla"),
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "t5lite-test-xla"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 }
 
