@@ -50,6 +50,7 @@ BINDINGS_HEADER = (
     "from __gin__ import dynamic_registration",
     "from t5lite import actions",
     "from t5lite import checkpoints",
+    "from t5lite import decoding",
     "from t5lite import optimizers",
     "from t5lite import partitioning",
     "from t5lite import train as train_lib",

@@ -247,8 +247,9 @@ def infer(*, model: Any, partitioner: Partitioner,
       'latest' in a directory).
     output_dir: gets `<task>-<step>.jsonl` (inputs, targets, prediction,
       score per line) or, for an input file, `<file name>-<step>.jsonl`.
-    task_feature_lengths: inputs and targets lengths; longer inputs are cut
-      and predictions are at most the targets length.
+    task_feature_lengths: inputs and targets lengths; longer inputs are cut.
+      An encoder-decoder decodes at most the targets length, a decoder-only
+      model inputs + targets (unless the model's max_decode_length says).
     batch_size: global decode batch.
     mixture_or_task_name: predict every example of this task's `split`.
     split: the task split.

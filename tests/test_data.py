@@ -157,6 +157,37 @@ def test_arithmetic_splits_are_disjoint_and_pinned():
   assert validation[:2] == (("sub: 7031 - 14", "7017"), ("sub: 18 - 706", "-688"))
 
 
+@pytest.mark.parametrize("task_name", [tasks.SORT, tasks.SORT_SPM])
+def test_sort_answers_are_correct(task_name):
+  task = seqio.get_mixture_or_task(task_name)
+  vocab = task.output_features["targets"].vocabulary
+  ds = task.get_dataset({"inputs": 32, "targets": 24}, split="validation", shuffle=False)
+  lengths = set()
+  for ex in ds.take(200).as_numpy_iterator():
+    question, answer = vocab.decode(ex["inputs"].tolist()), vocab.decode(ex["targets"].tolist())
+    assert question == ex["inputs_pretokenized"].decode()
+    match = re.fullmatch(r"sort: ((?:\d )*\d)", question)
+    assert match, question
+    digits = match[1].split()
+    assert answer.split() == sorted(digits)
+    lengths.add(len(digits))
+  assert min(lengths) >= 3 and max(lengths) <= 10 and len(lengths) >= 6
+  assert seqio.get_mixture_or_task(task_name).metric_fns == [tasks.exact_match_accuracy]
+
+
+def test_sort_splits_are_disjoint_and_pinned():
+  train, validation = tasks.sort_examples("train"), tasks.sort_examples("validation")
+  assert (len(train), len(validation)) == (100_000, 1_000)
+  assert len(set(train)) == len(train) and len(set(validation)) == len(validation)
+  assert not {q for q, _ in train} & {q for q, _ in validation}
+  assert train[:2] == (("sort: 4 0 3 7 0 5 9 4 4 3", "0 0 3 3 4 4 4 5 7 9"),
+                       ("sort: 1 2 3 9 1 8", "1 1 2 3 8 9"))
+  assert validation[:2] == (("sort: 7 3 2 1 3 4 2 0", "0 1 2 2 3 3 4 7"),
+                            ("sort: 3 5 1 4 8 0 8", "0 1 3 4 5 8 8"))
+  with pytest.raises(ValueError, match="Unknown sort split 'test'"):
+    tasks.sort_examples("test")
+
+
 def test_arithmetic_metric_and_postprocessing():
   task = seqio.get_mixture_or_task(tasks.ARITHMETIC)
   assert task.postprocess_fn(" 42 \n", example={}, is_target=False) == "42"

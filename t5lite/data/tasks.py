@@ -11,6 +11,10 @@ Supervised tasks with exactly checkable answers, generated on the fly:
 
 - `t5lite_arithmetic` / `_spm`: "add: 4821 + 77" -> "4898",
  "sub: 12 - 345" -> "-333"; `train` and `validation` are disjoint.
+- `t5lite_sort` / `_spm`: "sort: 4 0 9 4" -> "0 4 4 9", 3 to 10 digits;
+ `train` and `validation` are disjoint. A small T5 learns it to over 95%
+ exact match in minutes on a CPU (multi-digit arithmetic takes far longer),
+ which makes it the quick fine-tuning check.
 
 All have splits `train` and `validation`. Re-importing (or reloading) this
 module re-registers the same tasks without error.
@@ -35,7 +39,10 @@ LM = "t5lite_lm"
 LM_SPM = "t5lite_lm_spm"
 ARITHMETIC = "t5lite_arithmetic"
 ARITHMETIC_SPM = "t5lite_arithmetic_spm"
-EMBEDDED_TASKS = (SPAN_CORRUPTION, SPAN_CORRUPTION_SPM, LM, LM_SPM, ARITHMETIC, ARITHMETIC_SPM)
+SORT = "t5lite_sort"
+SORT_SPM = "t5lite_sort_spm"
+EMBEDDED_TASKS = (SPAN_CORRUPTION, SPAN_CORRUPTION_SPM, LM, LM_SPM, ARITHMETIC, ARITHMETIC_SPM,
+                  SORT, SORT_SPM)
 
 ARITHMETIC_SIZES = {"train": 100_000, "validation": 1_000}
 # One in this many (op, a, b) problems belongs to validation; train never
@@ -113,6 +120,67 @@ def _format_problem(op: int, a: int, b: int) -> tuple[str, str]:
   name, symbol = _ARITHMETIC_OPS[op]
   answer = a + b if symbol == "+" else a - b
   return f"{name}: {a} {symbol} {b}", str(answer)
+
+
+SORT_SIZES = {"train": 100_000, "validation": 1_000}
+_SORT_MIN_DIGITS, _SORT_MAX_DIGITS = 3, 10
+_SORT_SALT = np.uint64(0x5EED_5087_0000_0001)
+
+
+def _digit_lists(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Returns ([n, max] digits, [n] lengths) for problem numbers."""
+  positions = np.arange(_SORT_MAX_DIGITS, dtype=np.uint64)
+  keys = indices[:, None] * np.uint64(_SORT_MAX_DIGITS + 1) + positions[None, :]
+  digits = (_mix64(keys + _SORT_SALT) >> np.uint64(16)) % np.uint64(10)
+  span = _SORT_MAX_DIGITS - _SORT_MIN_DIGITS + 1
+  lengths = _mix64(indices * np.uint64(_SORT_MAX_DIGITS + 1) + np.uint64(_SORT_MAX_DIGITS)
+                   + _SORT_SALT) % np.uint64(span) + np.uint64(_SORT_MIN_DIGITS)
+  return digits.astype(np.int64), lengths.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def sort_examples(split: str) -> tuple[tuple[str, str], ...]:
+  """Returns the deterministic (question, answer) pairs of one sort split.
+
+  A digit list belongs to validation iff a hash of the list says so, so no
+  list appears in both splits; duplicates are skipped.
+
+  Args:
+    split: "train" or "validation".
+
+  Returns:
+    `SORT_SIZES[split]` pairs like ("sort: 4 0 9 4", "0 4 4 9").
+
+  Raises:
+    ValueError: for an unknown split.
+  """
+  if split not in SORT_SIZES:
+    raise ValueError(f"Unknown sort split '{split}'. Allowed: {', '.join(SORT_SIZES)}.")
+  wanted, seen, start, block = SORT_SIZES[split], {}, 0, 1 << 16
+  powers = np.uint64(11) ** np.arange(_SORT_MAX_DIGITS, dtype=np.uint64)
+  while len(seen) < wanted:
+    digits, lengths = _digit_lists(np.arange(start, start + block, dtype=np.uint64))
+    used = np.arange(_SORT_MAX_DIGITS)[None, :] < lengths[:, None]
+    # Each list as a base-11 number (digits + 1, 0 past the end) names it exactly.
+    codes = ((digits.astype(np.uint64) + np.uint64(1)) * used * powers).sum(axis=1)
+    in_split = (_mix64(codes ^ _SPLIT_SALT) % np.uint64(_VALIDATION_ONE_IN) == 0) == (
+        split == "validation")
+    for row, length in zip(digits[in_split].tolist(), lengths[in_split].tolist()):
+      seen.setdefault(tuple(row[:length]), None)
+      if len(seen) == wanted:
+        break
+    start += block
+  return tuple(("sort: " + " ".join(map(str, key)), " ".join(map(str, sorted(key))))
+               for key in seen)
+
+
+def _sort_dataset(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+  """seqio `dataset_fn`: the generated sort problems; see `_arithmetic_dataset`."""
+  questions, answers = zip(*sort_examples(split))
+  ds = tf.data.Dataset.from_tensor_slices({"inputs": list(questions), "targets": list(answers)})
+  if shuffle_files and seed is not None:
+    ds = ds.shuffle(len(questions), seed=seed, reshuffle_each_iteration=True)
+  return ds
 
 
 def _arithmetic_dataset(
@@ -253,10 +321,11 @@ def _register_lm(name: str, vocab: seqio.Vocabulary) -> None:
   )
 
 
-def _register_arithmetic(name: str, vocab: seqio.Vocabulary) -> None:
+def _register_generated(name: str, vocab: seqio.Vocabulary,
+                        dataset_fn: Callable[..., tf.data.Dataset], sizes: dict[str, int]) -> None:
   _register(
       name,
-      source=_GeneratedDataSource(_arithmetic_dataset, ARITHMETIC_SIZES),
+      source=_GeneratedDataSource(dataset_fn, sizes),
       output_features={
           "inputs": seqio.Feature(vocab, add_eos=True),
           "targets": seqio.Feature(vocab, add_eos=True),
@@ -274,8 +343,10 @@ def register_tasks() -> None:
   _register_span_corruption(SPAN_CORRUPTION_SPM, spm_vocab)
   _register_lm(LM, byte_vocab)
   _register_lm(LM_SPM, spm_vocab)
-  _register_arithmetic(ARITHMETIC, byte_vocab)
-  _register_arithmetic(ARITHMETIC_SPM, spm_vocab)
+  _register_generated(ARITHMETIC, byte_vocab, _arithmetic_dataset, ARITHMETIC_SIZES)
+  _register_generated(ARITHMETIC_SPM, spm_vocab, _arithmetic_dataset, ARITHMETIC_SIZES)
+  _register_generated(SORT, byte_vocab, _sort_dataset, SORT_SIZES)
+  _register_generated(SORT_SPM, spm_vocab, _sort_dataset, SORT_SIZES)
 
 
 register_tasks()
