@@ -51,6 +51,9 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
 # Logical axes of a cached key or value: [batch, length, heads, kv].
 _CACHE_AXES = (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV)
 
+# Attention implementations `MultiHeadDotProductAttention` can use.
+ATTENTION_IMPLS = ("xla", "dot_product_attention")
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
@@ -345,7 +348,13 @@ class MultiHeadDotProductAttention(nn.Module):
     head_dim: per-head width (d_kv).
     dtype: compute dtype.
     dropout_rate: dropout on the attention weights.
-    float32_logits: compute logits and softmax in float32 under bf16 compute.
+    float32_logits: compute logits and softmax in float32 under bf16 compute
+      ('xla' implementation; 'dot_product_attention' always does).
+    attention_impl: 'xla' (this module's einsums, with attention dropout) or
+      'dot_product_attention' (`jax.nn.dot_product_attention`: cuDNN flash
+      attention on GPUs that support the shapes and dtype, XLA elsewhere; see
+      `dot_product_attention`). The latter has no attention dropout, so a
+      training call with `dropout_rate > 0` uses the einsums.
   """
 
   num_heads: int
@@ -353,6 +362,7 @@ class MultiHeadDotProductAttention(nn.Module):
   dtype: DType = jnp.float32
   dropout_rate: float = 0.0
   float32_logits: bool = True
+  attention_impl: str = "xla"
 
   def _project(self, name: str, x: Array, init_scale: float = 1.0) -> Array:
     """Projects `[batch, length, embed]` to `[batch, length, heads, kv]`."""
@@ -398,13 +408,20 @@ class MultiHeadDotProductAttention(nn.Module):
                        "which reads the keys and values of an earlier prefill.")
     if cache is not None:
       key, value = self._use_cache(key, value, cache)
-    weights = attention_weights(query, key, combine_biases(mask, bias),
-                                float32_logits=self.float32_logits)
-    weights = nn.Dropout(rate=self.dropout_rate)(weights, deterministic=deterministic)
-    weights = jnp.asarray(weights, self.dtype)
-    # [batch, heads, q_length, kv_length] x [batch, kv_length, heads, kv]
-    #   -> [batch, q_length, heads, kv]
-    x = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl {self.attention_impl!r} is not one of "
+                       f"{ATTENTION_IMPLS}.")
+    attention_dropout = not deterministic and self.dropout_rate > 0
+    if self.attention_impl == "dot_product_attention" and not attention_dropout:
+      x = dot_product_attention(query, key, value, mask, bias)  # [batch, q_length, heads, kv]
+    else:
+      weights = attention_weights(query, key, combine_biases(mask, bias),
+                                  float32_logits=self.float32_logits)
+      weights = nn.Dropout(rate=self.dropout_rate)(weights, deterministic=deterministic)
+      weights = jnp.asarray(weights, self.dtype)
+      # [batch, heads, q_length, kv_length] x [batch, kv_length, heads, kv]
+      #   -> [batch, q_length, heads, kv]
+      x = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
     x = nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV))
     out = DenseGeneral(features=inputs_q.shape[-1], axis=(-2, -1),
                        kernel_axes=(ax.HEADS, ax.KV, ax.EMBED), dtype=self.dtype,
@@ -465,6 +482,63 @@ def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
     return bias
   mask_bias = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
   return mask_bias if bias is None else mask_bias + bias
+
+
+def fused_attention_backend(query: Array, key: Array, bias: Array | None) -> str:
+  """Which `jax.nn.dot_product_attention` implementation fits these inputs.
+
+  cuDNN flash attention needs a GPU, bfloat16 or float16 inputs and a head
+  width that is a multiple of 8 of at most 128 (256 from Hopper on, but
+  128 is safe everywhere); with a bias, whose gradient it also computes,
+  both sequence lengths must be even. Anything else runs on XLA, which gives
+  the same results.
+
+  Args:
+    query: `[batch, q_length, heads, kv]`.
+    key: `[batch, kv_length, heads, kv]`.
+    bias: the additive bias that will be passed, or None.
+
+  Returns:
+    'cudnn' or 'xla'.
+  """
+  if jax.default_backend() != "gpu" or query.dtype not in (jnp.bfloat16, jnp.float16):
+    return "xla"
+  head_dim = query.shape[-1]
+  if head_dim % 8 or head_dim > 128:
+    return "xla"
+  if bias is not None and (query.shape[1] % 2 or key.shape[1] % 2):
+    return "xla"
+  return "cudnn"
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None,
+                          bias: Array | None) -> Array:
+  """T5 attention through `jax.nn.dot_product_attention`.
+
+  T5 folds the 1/sqrt(head_dim) scaling into the query kernel, so the logits
+  are not scaled here (`scale=1`). The relative-position bias goes in as
+  `bias` and the boolean mask as `mask`; logits and softmax are float32 on
+  both backends. Equal to `attention_weights` followed by the value einsum
+  up to float reassociation, including rows whose keys are all masked
+  (padding queries), which both spread uniformly.
+
+  Args:
+    query: `[batch, q_length, heads, kv]`.
+    key: `[batch, kv_length, heads, kv]`, same dtype as `query`.
+    value: `[batch, kv_length, heads, kv]`, same dtype as `query`.
+    mask: boolean, broadcastable to `[batch, heads, q_length, kv_length]`;
+      True attends. Or None.
+    bias: additive, broadcastable to the same shape, or None.
+
+  Returns:
+    `[batch, q_length, heads, kv]` in the dtype of `query`.
+  """
+  implementation = fused_attention_backend(query, key, bias)
+  if bias is not None:
+    # cuDNN takes the bias in the compute dtype; XLA adds it to float32 logits.
+    bias = bias.astype(query.dtype if implementation == "cudnn" else jnp.float32)
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=1.0,
+                                      implementation=implementation)
 
 
 def attention_weights(query: Array, key: Array, bias: Array | None = None,

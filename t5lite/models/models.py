@@ -28,6 +28,7 @@ import seqio
 from t5lite import decoding
 from t5lite.models import layers
 from t5lite.models import moe
+from t5lite.models import transformer
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -228,6 +229,31 @@ class BaseModel(abc.ABC):
     batch = self._dummy_batch(input_shapes, input_types)
     return self.module.init({"params": rng}, **self._module_inputs(batch),
                             enable_dropout=False)
+
+  def train_flops_per_step(self, input_shapes: Mapping[str, tuple[int, ...]]) -> float | None:
+    """Model FLOPs of one training step on batches of `input_shapes`.
+
+    Forward plus backward, counted as 3 forward passes of
+    `transformer.forward_flops` (matmuls only; see there for what counts).
+
+    Args:
+      input_shapes: feature name -> `[batch, length]`; reads
+        `decoder_input_tokens` and, for an encoder-decoder,
+        `encoder_input_tokens`.
+
+    Returns:
+      The FLOPs, or None when the module is not a t5lite transformer.
+    """
+    config = getattr(self.module, "config", None)
+    if not isinstance(config, transformer.TransformerConfig):
+      return None
+    _require(input_shapes, "decoder_input_tokens")
+    batch, decoder_length = input_shapes["decoder_input_tokens"][:2]
+    encoder_length = 0
+    if isinstance(self.module, transformer.EncoderDecoder):
+      _require(input_shapes, "encoder_input_tokens")
+      encoder_length = input_shapes["encoder_input_tokens"][1]
+    return 3 * transformer.forward_flops(config, batch, decoder_length, encoder_length)["total"]
 
   def loss_normalizer(self, batch: Batch) -> Array:
     """The divisor of the summed loss for `batch`.

@@ -65,6 +65,8 @@ from t5lite.models import moe
 Array = jax.Array
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# What each layer keeps for the backward pass (see TransformerConfig.remat_policy).
+REMAT_POLICIES = ("none", "full", "dots_saveable")
 # Scanned cache leaves stack layers on axis 1 so the batch stays leading.
 _CACHE_SCAN_AXIS = 1
 
@@ -108,6 +110,15 @@ class TransformerConfig:
     expert_mlp_dim: hidden width of each expert; None uses `mlp_dim`.
     batch_prioritized_routing: when experts overflow, keep the tokens the
       router is most confident about instead of the earliest ones.
+    remat_policy: what each layer keeps for the backward pass: 'none' keeps
+      every activation, 'full' only the layer's inputs and recomputes the
+      rest, 'dots_saveable' keeps the matmul outputs and recomputes the
+      elementwise work. Changes memory and speed, never the results.
+    attention_impl: 'dot_product_attention' computes attention with
+      `jax.nn.dot_product_attention` (cuDNN flash attention on a GPU when the
+      shapes and dtype allow, XLA otherwise); 'xla' uses t5lite's own
+      einsums. Training with attention dropout (dropout_rate > 0) always uses
+      the einsums, which support it (see `layers.MultiHeadDotProductAttention`).
   """
 
   vocab_size: int
@@ -134,6 +145,8 @@ class TransformerConfig:
   router_jitter_noise: float = 0.0
   expert_mlp_dim: int | None = None
   batch_prioritized_routing: bool = False
+  remat_policy: str = "none"
+  attention_impl: str = "dot_product_attention"
 
   def __post_init__(self):
     positive = ("vocab_size", "emb_dim", "num_heads", "num_decoder_layers",
@@ -151,6 +164,12 @@ class TransformerConfig:
     if self.dtype not in _DTYPES:
       raise ValueError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
                        f"use one of {_DTYPES}.")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"TransformerConfig.remat_policy {self.remat_policy!r} is not "
+                       f"supported; use one of {REMAT_POLICIES}.")
+    if self.attention_impl not in layers.ATTENTION_IMPLS:
+      raise ValueError(f"TransformerConfig.attention_impl {self.attention_impl!r} is not "
+                       f"supported; use one of {layers.ATTENTION_IMPLS}.")
     if self.num_experts < 0:
       raise ValueError("TransformerConfig.num_experts must be >= 0 (0 is dense), got "
                        f"{self.num_experts}.")
@@ -202,7 +221,7 @@ def _attention(cfg: TransformerConfig, name: str) -> layers.MultiHeadDotProductA
   return layers.MultiHeadDotProductAttention(
       num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.compute_dtype,
       dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
-      name=name)
+      attention_impl=cfg.attention_impl, name=name)
 
 
 def _moe(cfg: TransformerConfig) -> moe.MoeLayer:
@@ -336,6 +355,7 @@ def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers:
   Returns:
     `[batch, length, embed]` output of the last layer.
   """
+  layer_cls = _remat(layer_cls, cfg, shared_args)
   if not cfg.scan_layers:
     for i in range(num_layers):
       x = layer_cls(config=cfg, use_moe=cfg.is_moe_layer(i), name=f"layers_{i}")(
@@ -352,6 +372,24 @@ def _layer_stack(layer_cls: type[nn.Module], cfg: TransformerConfig, num_layers:
       metadata_params={nn.PARTITION_NAME: ax.LAYERS})
   x, _ = scanned_cls(config=cfg, scanned=True, name="layers")(x, *shared_args)
   return x
+
+
+def _remat(layer_cls: type[nn.Module], cfg: TransformerConfig,
+           shared_args: tuple) -> type[nn.Module]:
+  """`layer_cls` under `nn.remat` with the config's policy, or unchanged.
+
+  Cached decoding has no backward pass, so it is never rematerialised. The
+  non-array arguments (flags, an absent encoder output) are static; the
+  layer's arguments are (self, x, *shared_args).
+  """
+  if cfg.remat_policy == "none" or any(isinstance(a, layers.DecodeCache) for a in shared_args):
+    return layer_cls
+  policy = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+  static = tuple(2 + i for i, a in enumerate(shared_args) if not isinstance(a, jax.Array))
+  # Common-subexpression protection only matters outside a scan, whose loop
+  # already keeps XLA from merging the recomputation into the forward pass.
+  return nn.remat(layer_cls, policy=policy[cfg.remat_policy], static_argnums=static,
+                  prevent_cse=not cfg.scan_layers)
 
 
 class _MoeBlock(nn.Module):
@@ -492,6 +530,76 @@ class Decoder(nn.Module):
                                    dtype=cfg.compute_dtype, name="logits_dense")(x)
     logits = logits.astype(jnp.float32)
     return nn.with_logical_constraint(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
+
+
+def forward_flops(cfg: TransformerConfig, batch_size: int, decoder_length: int,
+                  encoder_length: int = 0) -> dict[str, float]:
+  """Model FLOPs of one teacher-forced forward pass, by component.
+
+  Counts the matrix multiplications the model needs, at 2 FLOPs per
+  multiply-add, as in the usual model-FLOPs-utilisation definition:
+
+    attention_projections  q, k, v, out of every attention: 8 * d * H per
+                           token, except that cross-attention projects its
+                           queries and outputs per decoder token (4 * d * H)
+                           and its keys and values per encoder token (4 * d * H)
+    attention_scores       QK^T and AV: 4 * q_length * kv_length * H per
+                           example, for encoder self-, decoder self- and
+                           cross-attention; causal attention is counted over
+                           the whole square, which is what is computed
+    mlp                    dense gated-GELU layers: 6 * d * f per token
+    moe_experts            only the k selected experts: k * 6 * d * f_e per
+                           token (not the capacity slots actually computed)
+    moe_router             2 * d * E per token
+    logits                 2 * d * V per decoder token
+
+  with d = emb_dim, H = num_heads * head_dim, f = mlp_dim, f_e =
+  expert_mlp_dim (or mlp_dim), E = num_experts, k = num_selected_experts and
+  V = vocab_size. Embedding lookups, relative-position biases, norms,
+  softmaxes, the loss and MoE dispatch/combine are not model FLOPs. A
+  training step costs 3 times the forward pass (the backward pass computes
+  two products for each one of the forward).
+
+  Args:
+    cfg: the network config.
+    batch_size: examples per step.
+    decoder_length: decoder (target) positions per example.
+    encoder_length: encoder positions per example; 0 for a decoder-only
+      network, which has neither an encoder nor cross-attention.
+
+  Returns:
+    FLOPs per component and their 'total', for the whole batch.
+  """
+  d, v = cfg.emb_dim, cfg.vocab_size
+  inner = cfg.num_heads * cfg.head_dim
+  flops = dict.fromkeys(("attention_projections", "attention_scores", "mlp", "moe_experts",
+                         "moe_router", "logits"), 0.0)
+
+  def add_mlp(index: int, tokens: int) -> None:
+    if cfg.is_moe_layer(index):
+      expert_mlp = cfg.expert_mlp_dim or cfg.mlp_dim
+      flops["moe_experts"] += tokens * cfg.num_selected_experts * 6 * d * expert_mlp
+      flops["moe_router"] += tokens * 2 * d * cfg.num_experts
+    else:
+      flops["mlp"] += tokens * 6 * d * cfg.mlp_dim
+
+  enc, dec = encoder_length, decoder_length
+  if enc:
+    for i in range(cfg.num_encoder_layers):
+      flops["attention_projections"] += enc * 8 * d * inner
+      flops["attention_scores"] += 4 * enc * enc * inner
+      add_mlp(i, enc)
+  for i in range(cfg.num_decoder_layers):
+    flops["attention_projections"] += dec * 8 * d * inner
+    flops["attention_scores"] += 4 * dec * dec * inner
+    if enc:
+      flops["attention_projections"] += (dec + enc) * 4 * d * inner
+      flops["attention_scores"] += 4 * dec * enc * inner
+    add_mlp(i, dec)
+  flops["logits"] += dec * 2 * d * v
+  flops = {name: float(batch_size * value) for name, value in flops.items()}
+  flops["total"] = sum(flops.values())
+  return flops
 
 
 def _embedder(cfg: TransformerConfig) -> layers.Embed:

@@ -1,0 +1,253 @@
+"""Speed features change speed or memory, never results.
+
+Each feature is switched on and off on the same tiny model, params and batch,
+and the losses and gradients compared. Tolerances follow the dtype: float32
+features that only reorder or recompute the same operations agree to float32
+rounding; bfloat16 activations are compared against float32 at bfloat16
+precision.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5lite import testing
+from t5lite.models import layers
+from t5lite.models import transformer
+
+B, ENC_LEN, DEC_LEN = 3, 10, 6
+
+
+def _batch():
+  """Padding in both the inputs and the targets, so masks matter."""
+  rng = np.random.default_rng(0)
+  targets = rng.integers(3, 300, (B, DEC_LEN)).astype(np.int32)
+  targets[1, 4:] = 0
+  inputs = rng.integers(3, 300, (B, ENC_LEN)).astype(np.int32)
+  inputs[2, 7:] = 0
+  return {"encoder_input_tokens": inputs, "decoder_target_tokens": targets,
+          "decoder_input_tokens": np.pad(targets[:, :-1], ((0, 0), (1, 0))),
+          "decoder_loss_weights": (targets > 0).astype(np.float32)}
+
+
+def _shapes():
+  return {k: (1,) + v.shape[1:] for k, v in _batch().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _params(**overrides):
+  model = testing.tiny_encoder_decoder(**overrides)
+  init = jax.jit(lambda rng: model.get_initial_variables(rng, _shapes()))
+  return nn.unbox(init(jax.random.key(0))["params"])
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads(**overrides):
+  """Loss and gradients at the same initial params (those of the layout)."""
+  params = _params(scan_layers=overrides.get("scan_layers", False))
+  model = testing.tiny_encoder_decoder(**overrides)
+  fn = jax.jit(jax.value_and_grad(lambda p, b: model.loss_fn(p, b, None)[0]))
+  return fn(params, _batch())
+
+
+def _assert_same(got, want, rtol, atol):
+  (loss, grads), (want_loss, want_grads) = got, want
+  np.testing.assert_allclose(loss, want_loss, rtol=rtol)
+  assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+  # Non-trivial gradients, so that agreement means something.
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads)) > 1e-3
+
+
+# ---------------------------------------------------------------------------
+# Rematerialisation.
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+def test_remat_policies_equal_no_remat(policy, scan_layers):
+  want = _loss_and_grads(scan_layers=scan_layers)
+  # Recomputation runs the same float32 operations again; only XLA's fusion
+  # of them may differ, hence float32 rounding tolerances.
+  got = _loss_and_grads(scan_layers=scan_layers, remat_policy=policy)
+  _assert_same(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _jaxpr_text(**overrides):
+  model = testing.tiny_encoder_decoder(**overrides)
+  grad = jax.grad(lambda p, b: model.loss_fn(p, b, None)[0])
+  return str(jax.make_jaxpr(grad)(_params(), _batch()))
+
+
+def test_remat_policy_reaches_the_jaxpr():
+  assert "remat" not in _jaxpr_text()
+  full = _jaxpr_text(remat_policy="full")
+  dots = _jaxpr_text(remat_policy="dots_saveable")
+  # One per layer: 2 encoder + 2 decoder.
+  assert full.count("remat2[") == full.count("policy=None") == 4
+  assert dots.count("remat2[") == dots.count("policy=DotsSaveable") == 4
+
+
+def test_bad_remat_policy_and_attention_impl_are_named():
+  with pytest.raises(ValueError, match=r"remat_policy 'dots' is not supported; use one of "
+                                       r"\('none', 'full', 'dots_saveable'\)"):
+    testing.tiny_config(remat_policy="dots")
+  with pytest.raises(ValueError, match=r"attention_impl 'flash' is not supported; use one of "
+                                       r"\('xla', 'dot_product_attention'\)"):
+    testing.tiny_config(attention_impl="flash")
+
+
+# ---------------------------------------------------------------------------
+# Attention through jax.nn.dot_product_attention.
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+  """Records the calls that reach jax.nn.dot_product_attention."""
+  calls = []
+  real = jax.nn.dot_product_attention
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  return calls
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_dot_product_attention_equals_xla_attention(fused_calls, scan_layers):
+  _loss_and_grads.cache_clear()  # trace again, under the spy
+  want = _loss_and_grads(scan_layers=scan_layers, attention_impl="xla")
+  assert not fused_calls
+  got = _loss_and_grads(scan_layers=scan_layers, attention_impl="dot_product_attention")
+  # Encoder self, decoder self and cross attention of every layer (a scanned
+  # body is traced more than once, so count in thirds).
+  assert fused_calls and len(fused_calls) % 3 == 0
+  # T5 does not scale logits; the relative-position bias arrives as `bias`,
+  # except in cross-attention, which has none.
+  assert all(c["scale"] == 1.0 for c in fused_calls)
+  assert 3 * sum(c["bias"] is None for c in fused_calls) == len(fused_calls)
+  assert all(c["mask"].dtype == jnp.bool_ for c in fused_calls)
+  # Same float32 math, summed in another order.
+  _assert_same(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_dot_product_attention_layer_matches_einsums_with_bias_and_mask():
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(2, 5, 4, 3)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(2, 7, 4, 3)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, 7, 4, 3)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(1, 4, 5, 7)), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 1, 5, 7)) > 0.3).at[0, 0, 2].set(False)  # a dead row
+  weights = layers.attention_weights(q, k, layers.combine_biases(mask, bias))
+  want = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+  got = layers.dot_product_attention(q, k, v, mask, bias)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_dropout_in_training_uses_the_einsums(fused_calls):
+  attention = layers.MultiHeadDotProductAttention(
+      num_heads=4, head_dim=3, dropout_rate=0.5, attention_impl="dot_product_attention")
+  x = jnp.ones((2, 5, 8))
+  variables = attention.init(jax.random.key(0), x, x)
+  fused_calls.clear()
+  attention.apply(variables, x, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  assert not fused_calls  # jax.nn.dot_product_attention has no dropout
+  attention.apply(variables, x, x, deterministic=True)
+  assert len(fused_calls) == 1
+
+
+def test_fused_attention_backend_picks_cudnn_only_where_it_applies(monkeypatch):
+  def qk(dtype, head_dim=64, q_len=8, kv_len=8):
+    return jnp.zeros((1, q_len, 2, head_dim), dtype), jnp.zeros((1, kv_len, 2, head_dim), dtype)
+
+  bias = jnp.zeros((1, 2, 8, 8))
+  assert layers.fused_attention_backend(*qk(jnp.bfloat16), bias) == "xla"  # on this CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert layers.fused_attention_backend(*qk(jnp.bfloat16), bias) == "cudnn"
+  assert layers.fused_attention_backend(*qk(jnp.float16), None) == "cudnn"
+  assert layers.fused_attention_backend(*qk(jnp.float32), bias) == "xla"
+  assert layers.fused_attention_backend(*qk(jnp.bfloat16, head_dim=12), bias) == "xla"
+  assert layers.fused_attention_backend(*qk(jnp.bfloat16, q_len=7), bias) == "xla"
+  assert layers.fused_attention_backend(*qk(jnp.bfloat16, q_len=7), None) == "cudnn"
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 activations, float32 parameters and optimizer state.
+
+
+def test_bfloat16_activations_keep_float32_state_and_match_float32():
+  from t5lite import trainer
+  from t5lite.train_state import TrainState
+  want_loss, want_grads = _loss_and_grads()
+  loss, grads = _loss_and_grads(dtype="bfloat16")
+  # bfloat16 keeps 8 significant bits (relative rounding 2**-9 per op);
+  # through four layers the loss stays within 1% and each gradient points
+  # the same way (a wrong cast or a lost bias would be far off).
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    assert g.dtype == jnp.float32
+    cosine = jnp.vdot(g, w) / (jnp.linalg.norm(g) * jnp.linalg.norm(w))
+    assert cosine > 0.99
+  model = testing.tiny_encoder_decoder(dtype="bfloat16")
+  step = functools.partial(trainer.train_step, model=model, dropout_seed=0,
+                           num_microbatches=None)
+  # The dtypes of a step's output state, without compiling it.
+  new_state, _ = jax.eval_shape(
+      step, TrainState.create(_params(), model.optimizer), _batch())
+  for leaf in jax.tree.leaves((new_state.params, new_state.opt_state)):
+    assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
+
+
+# ---------------------------------------------------------------------------
+# Model FLOPs.
+
+
+def test_forward_flops_by_hand():
+  cfg = testing.tiny_config(num_encoder_layers=1, num_decoder_layers=1, vocab_size=32)
+  d, inner, f, v = 8, 12, 16, 32  # emb, heads * head_dim, mlp, vocab
+  flops = transformer.forward_flops(cfg, batch_size=2, decoder_length=5, encoder_length=7)
+  assert flops["attention_projections"] == 2 * (7 * 8 * d * inner + 5 * 8 * d * inner
+                                                + (5 + 7) * 4 * d * inner)
+  assert flops["attention_scores"] == 2 * 4 * inner * (7 * 7 + 5 * 5 + 5 * 7)
+  assert flops["mlp"] == 2 * (7 + 5) * 6 * d * f
+  assert flops["logits"] == 2 * 5 * 2 * d * v
+  assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
+  decoder_only = transformer.forward_flops(cfg, batch_size=2, decoder_length=5)
+  assert decoder_only["attention_scores"] == 2 * 4 * inner * 5 * 5
+
+
+def test_moe_flops_count_the_selected_experts_and_the_router():
+  dense = testing.tiny_config(num_encoder_layers=2, num_decoder_layers=2)
+  sparse = testing.tiny_config(num_encoder_layers=2, num_decoder_layers=2, num_experts=4,
+                               num_selected_experts=2, moe_layer_interval=2,
+                               expert_mlp_dim=32)
+  a = transformer.forward_flops(dense, 3, 5, 7)
+  b = transformer.forward_flops(sparse, 3, 5, 7)
+  tokens = 3 * (5 + 7)  # one MoE layer in each stack
+  assert b["moe_experts"] == tokens * 2 * 6 * 8 * 32
+  assert b["moe_router"] == tokens * 2 * 8 * 4
+  assert b["mlp"] == a["mlp"] / 2
+  assert b["attention_projections"] == a["attention_projections"]
+
+
+def test_flops_agree_with_xla_where_matmuls_dominate():
+  model = testing.tiny_encoder_decoder(emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
+                                       vocab_size=384)
+  shapes = {"encoder_input_tokens": (2, 32), "decoder_input_tokens": (2, 16)}
+  batch = {k: jnp.ones(s, jnp.int32) for k, s in shapes.items()}
+  batch["decoder_target_tokens"] = batch["decoder_input_tokens"]
+  params = jax.eval_shape(lambda: nn.unbox(
+      model.get_initial_variables(jax.random.key(0), shapes))["params"])
+  compiled = jax.jit(model.predict_logits).lower(params, batch).compile()
+  xla = compiled.cost_analysis()["flops"]
+  ours = model.train_flops_per_step(shapes) / 3
+  # XLA also counts elementwise work (softmax, GELU, norms, bias one-hots):
+  # a few percent on top of the matmuls at this width.
+  assert ours < xla < 1.1 * ours
