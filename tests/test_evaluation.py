@@ -202,3 +202,53 @@ def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path):
   result = run_cli(common, cwd=str(tmp_path), script="t5lite-infer")
   assert result.returncode == 2
   assert "Give exactly one of MIXTURE_OR_TASK_NAME" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_and_evaluate_like_one(tmp_path):
+  from multihost import start_job
+
+  def job(args, name, count, script="t5lite-train"):
+    log_dir = str(tmp_path / "logs" / name)
+    if count == 1:
+      return start_job(lambda i: args, cwd=str(tmp_path), log_dir=log_dir, count=1,
+                       devices_per_process=8, with_distributed_flags=False, script=script)
+    return start_job(lambda i: args, cwd=str(tmp_path), log_dir=log_dir, count=2, script=script)
+
+  def finished(running):
+    results = running.wait(timeout=600)
+    assert all(r.returncode == 0 for r in results), running.describe()
+    return results
+
+  # Early stopping decided on process 0 ends both processes at step 6.
+  model_dir = tmp_path / "run"
+  finished(job([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.BATCH_SIZE=8",
+                "--gin.TRAIN_STEPS=20",
+                "--gin.train_lib.train.actions={'TRAIN_EVAL': [@actions.EarlyStopping()]}",
+                "--gin.actions.EarlyStopping.task='t5lite_arithmetic'",
+                "--gin.actions.EarlyStopping.metric='loss'",
+                "--gin.actions.EarlyStopping.patience=2",
+                "--gin.actions.EarlyStopping.tolerance=1000.0"], "train", 2))
+  assert max(int(s) for s in os.listdir(model_dir / "checkpoints")) == 6
+  trained = model_dir / "inference_eval"
+  assert scalars(str(trained / "t5lite_arithmetic"), "accuracy").keys() == {2, 4, 6}
+
+  # The same checkpoint evaluated by 1 process and by 2 gives the decodes
+  # training wrote, in input order, and the same teacher-forced loss.
+  def eval_args(out):
+    return [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}/checkpoints/6'",
+            f"--gin.EVAL_OUTPUT_DIR='{out}'", "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_EVAL_DATASET_CFG=@train_eval/datasets.DatasetConfig()",
+            # Unpacked, the first batches hold the same examples however many
+            # processes read their shards (packing groups them per process).
+            "--gin.train_eval/datasets.DatasetConfig.pack=False", "--gin.EVAL_STEPS=2"]
+  one, two = tmp_path / "one", tmp_path / "two"
+  runs = [job(eval_args(one), "eval1", 1, "t5lite-eval"),
+          job(eval_args(two), "eval2", 2, "t5lite-eval")]
+  for running in runs:
+    finished(running)
+  name = "t5lite_arithmetic-000006.jsonl"
+  assert _read(one / "inference_eval" / name) == _read(trained / name)
+  assert _read(two / "inference_eval" / name) == _read(trained / name)
+  losses = [scalars(str(d / "training_eval" / "t5lite_arithmetic"), "loss")[6] for d in (one, two)]
+  assert losses[0] == pytest.approx(losses[1], rel=1e-5)
