@@ -22,7 +22,7 @@ def test_train_eval_writes_the_mixture_and_each_task(tmp_path):
   model_dir = str(tmp_path / "run")
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='tiny_eval_mix'",
           "--gin.MIXTURE_OR_TASK_MODULE='mix_tasks'",
-          "--gin.train_lib.train.run_eval_before_training=True"]
+          "--gin.train_lib.train.run_eval_before_training=True", "--gin.TRAIN_STEPS=5"]
   result = run_cli(args, cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
   eval_dir = os.path.join(model_dir, "training_eval")
@@ -30,10 +30,10 @@ def test_train_eval_writes_the_mixture_and_each_task(tmp_path):
                                           "tiny_eval_mix"]
   losses = {name: scalars(os.path.join(eval_dir, name), "loss") for name in os.listdir(eval_dir)}
   for name, by_step in losses.items():
-    # Before training, at the eval period and at the final step.
-    assert sorted(by_step) == [0, 2, 4], name
+    # Before training, every eval period and at the final step (off the period).
+    assert sorted(by_step) == [0, 2, 4, 5], name
   # Different data, different numbers: each directory holds its own task.
-  assert losses["t5lite_arithmetic"][4] != losses["t5lite_span_corruption"][4]
+  assert losses["t5lite_arithmetic"][5] != losses["t5lite_span_corruption"][5]
   assert not os.path.exists(os.path.join(model_dir, "inference_eval"))
 
 
