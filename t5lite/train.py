@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import math
 import os
+import queue
 import signal
 import threading
 import time
@@ -200,22 +201,104 @@ def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iter
     yield _to_global(batch, shardings, global_batch)
 
 
+class _Prefetcher:
+  """Builds a fixed number of batches in a background thread, a few ahead.
+
+  The thread takes exactly `count` batches from `produce` (unless stopped),
+  so the tf.data iterator behind it never runs past what the caller asked
+  for, and its checkpointed position stays exact.
+
+  Args:
+    produce: returns the next batch (device arrays).
+    count: batches to build.
+    depth: most batches built but not yet taken.
+  """
+
+  def __init__(self, produce: Callable[[], Any], count: int, depth: int):
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._held: list = []  # a batch built when stop() came, still owed to the caller
+    self.remaining = count
+    self._thread = threading.Thread(target=self._run, args=(produce, count),
+                                    name="t5lite-prefetch", daemon=True)
+    self._thread.start()
+
+  def _run(self, produce: Callable[[], Any], count: int) -> None:
+    for _ in range(count):
+      if self._stop.is_set():
+        return
+      try:
+        item = produce()
+      except BaseException as e:  # handed to the consumer, which re-raises it
+        item = _Failure(e)
+      while True:
+        try:
+          self._queue.put(item, timeout=0.05)
+          break
+        except queue.Full:
+          if self._stop.is_set():
+            self._held.append(item)
+            return
+      if isinstance(item, _Failure):
+        return
+
+  def get(self) -> Any:
+    """The next batch, waiting for it if needed."""
+    item = self._queue.get()
+    self.remaining -= 1
+    if isinstance(item, _Failure):
+      raise item.error
+    return item
+
+  def stop(self) -> list:
+    """Stops building; returns the batches built but not taken, in order."""
+    self._stop.set()
+    self._thread.join()
+    left = []
+    while not self._queue.empty():
+      left.append(self._queue.get())
+    left += self._held
+    for item in left:
+      if isinstance(item, _Failure):
+        raise item.error
+    return left
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+  """An exception raised while building a batch in the background."""
+
+  error: BaseException
+
+
 class TrainData:
   """This host's training batches as global arrays.
 
   Holds the tf.data iterator itself so checkpoints can save its position.
+  `prefetch(n)` builds the next `n` batches, device transfer included, in a
+  background thread while the steps run; the loop asks for exactly the
+  batches it will use before its next possible stop, so when it saves, the
+  iterator is where the last step left it.
 
   Args:
     model: gives the feature converter.
     cfg: the training dataset config.
     partitioner: gives the data layout and the batch shardings.
+    prefetch_depth: most batches built ahead of the step; 0 builds each one
+      when the loop asks for it.
   """
 
-  def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner):
+  def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
+               prefetch_depth: int = 2):
+    if prefetch_depth < 0:
+      raise ValueError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
+                       f"{prefetch_depth}.")
     layout = partitioner.get_data_layout(cfg.batch_size)
     self._ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
                                     model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
+    self._depth = prefetch_depth
+    self._prefetcher: _Prefetcher | None = None
     self.shardings = {k: partitioner.batch_sharding(len(spec.shape))
                       for k, spec in self._ds.element_spec.items()}
     self.iterator = iter(self._ds)
@@ -235,9 +318,32 @@ class TrainData:
   def __iter__(self) -> "TrainData":
     return self
 
-  def __next__(self) -> dict[str, jax.Array]:
+  def _build(self) -> dict[str, jax.Array]:
     batch = {k: v.numpy() for k, v in next(self.iterator).items()}
     return _to_global(batch, self.shardings, self._global_batch)
+
+  def prefetch(self, num_batches: int) -> None:
+    """Starts building the next `num_batches` batches in the background.
+
+    Any earlier prefetch must have been consumed or stopped.
+    """
+    if self._prefetcher is not None and self._prefetcher.remaining:
+      raise RuntimeError("prefetch() called before the previous batches were used; call "
+                         "stop_prefetch() first.")
+    self._prefetcher = None
+    if self._depth and num_batches > 0:
+      self._prefetcher = _Prefetcher(self._build, num_batches, self._depth)
+
+  def stop_prefetch(self) -> list[dict[str, jax.Array]]:
+    """Stops the background thread; returns the batches it already took from
+    the iterator and that no step has used yet, in order."""
+    prefetcher, self._prefetcher = self._prefetcher, None
+    return prefetcher.stop() if prefetcher is not None else []
+
+  def __next__(self) -> dict[str, jax.Array]:
+    if self._prefetcher is not None and self._prefetcher.remaining:
+      return self._prefetcher.get()
+    return self._build()
 
 
 # ---------------------------------------------------------------------------
@@ -495,14 +601,17 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
   while step < loop.total_steps:
     epoch_end = min(loop.total_steps, loop.periods.next_boundary(step))
     while step < epoch_end:
-      state, step_metrics = loop.step_fn(state, next(loop.data))
-      step += 1
-      pending.append(step_metrics)
-      stop = None
-      if step % loop.periods.stats == 0 or step == epoch_end:
-        stop = _write_stats(loop, step, pending)
-      if _PREEMPTION.is_set():
-        _preempt(loop, step, state, pending)
+      # Up to the next stats period, the loop only dispatches steps: it never
+      # waits for the device, and the next batches are built meanwhile.
+      stats_end = min(epoch_end, (step // loop.periods.stats + 1) * loop.periods.stats)
+      loop.data.prefetch(stats_end - step)
+      while step < stats_end:
+        state, step_metrics = loop.step_fn(state, next(loop.data))
+        step += 1
+        pending.append(step_metrics)
+        if _PREEMPTION.is_set():
+          _preempt(loop, step, state, pending)
+      stop = _write_stats(loop, step, pending)
       if stop:
         return _stop(loop, step, state, stop)
     stop = _end_of_epoch(loop, step, state)
@@ -525,7 +634,15 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
 
 
 def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
-  """Checkpoints the finished step (closing waits for the write) and stops."""
+  """Checkpoints the finished step (closing waits for the write) and stops.
+
+  Batches already taken from the iterator are trained on first (at most the
+  prefetch depth plus one), so the saved iterator position matches the step.
+  """
+  for batch in loop.data.stop_prefetch():
+    state, step_metrics = loop.step_fn(state, batch)
+    step += 1
+    pending.append(step_metrics)
   if pending:
     _write_stats(loop, step, pending)  # also refuses to save a non-finite state
   loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
@@ -578,6 +695,7 @@ def train(*,
           actions: Mapping[str, Any] | None = None,
           run_eval_before_training: bool = False,
           gc_period: int = 0,
+          prefetch_batches: int = 2,
           summarize_config_fn: Callable[[str], None] | None = None) -> tuple[int, TrainState]:
   """Trains `model` on `train_dataset_cfg`, checkpointing into `model_dir`.
 
@@ -606,6 +724,9 @@ def train(*,
       metrics; one that fires ends training (see `t5lite.actions`).
     run_eval_before_training: also evaluate at the start step.
     gc_period: steps between Python garbage collections; 0 leaves gc on.
+    prefetch_batches: training batches built and sent to the devices in a
+      background thread while earlier steps run; 0 builds each batch when
+      its step is dispatched.
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
 
@@ -631,7 +752,7 @@ def train(*,
               actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
               relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
               run_eval_before_training=run_eval_before_training,
-              summarize_config_fn=summarize_config_fn)
+              prefetch_batches=prefetch_batches, summarize_config_fn=summarize_config_fn)
 
 
 def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None
@@ -663,6 +784,7 @@ def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_c
 
 def _close(loop: _Loop) -> None:
   """Waits for pending checkpoint writes and flushes every writer."""
+  loop.data.stop_prefetch()
   loop.checkpointer.wait_until_finished()
   loop.checkpointer.close()
   loop.writer.close()
@@ -674,9 +796,9 @@ def _close(loop: _Loop) -> None:
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
          checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
-         summarize_config_fn) -> tuple[int, TrainState]:
+         prefetch_batches, summarize_config_fn) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
-  data = TrainData(model, train_cfg, partitioner)
+  data = TrainData(model, train_cfg, partitioner, prefetch_batches)
   specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)

@@ -8,6 +8,7 @@ precision.
 """
 
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t5lite import metrics
 from t5lite import testing
 from t5lite.models import layers
 from t5lite.models import transformer
@@ -251,3 +253,107 @@ def test_flops_agree_with_xla_where_matmuls_dominate():
   # XLA also counts elementwise work (softmax, GELU, norms, bias one-hots):
   # a few percent on top of the matmuls at this width.
   assert ours < xla < 1.1 * ours
+
+
+# ---------------------------------------------------------------------------
+# The training loop: prefetching and host syncs.
+
+
+def _train_data(prefetch_depth):
+  from t5lite import partitioning
+  from t5lite import train as train_lib
+  from t5lite.data.datasets import DatasetConfig
+  testing.register_in_memory_task(
+      "t5lite_speed_numbers", [{"inputs": f"number {i}", "targets": str(i)} for i in range(40)])
+  cfg = DatasetConfig("t5lite_speed_numbers", {"inputs": 16, "targets": 8}, "train", 2,
+                      shuffle=False, seed=0)
+  return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
+                             prefetch_depth)
+
+
+def _tokens(batch):
+  return np.asarray(batch["encoder_input_tokens"]).tolist()
+
+
+def test_prefetched_batches_equal_built_ones_and_leave_the_iterator_exact():
+  want = [_tokens(b) for b in itertools.islice(_train_data(0), 9)]
+  data = _train_data(prefetch_depth=2)
+  data.prefetch(3)
+  got = [_tokens(next(data)) for _ in range(3)]
+  # The thread stopped after the 3 batches asked for: the iterator, which a
+  # checkpoint would save, stands exactly after them.
+  got.append(_tokens(data._build()))
+  assert got[3] == want[3]
+  data.prefetch(5)
+  got.append(_tokens(next(data)))
+  # Stopping hands back what was already taken from the iterator, in order.
+  left = data.stop_prefetch()
+  assert 1 <= len(left) <= 3  # the queue (2) and the batch in hand
+  got += [_tokens(b) for b in left]
+  got.append(_tokens(next(data)))  # built on demand after the stop
+  assert got == want[:len(got)]
+
+
+def test_prefetch_passes_errors_on_and_refuses_to_overlap():
+  from t5lite import train as train_lib
+
+  def broken():
+    raise OSError("disk gone")
+
+  prefetcher = train_lib._Prefetcher(broken, count=3, depth=2)
+  with pytest.raises(OSError, match="disk gone"):
+    prefetcher.get()
+  data = _train_data(prefetch_depth=1)
+  data.prefetch(2)
+  with pytest.raises(RuntimeError, match="before the previous batches were used"):
+    data.prefetch(2)
+  data.stop_prefetch()
+  with pytest.raises(ValueError, match=r"prefetch_batches must be >= 0 .* got -1"):
+    _train_data(prefetch_depth=-1)
+
+
+@pytest.mark.slow
+def test_the_loop_waits_for_the_device_only_at_stats_periods(tmp_path, monkeypatch):
+  import gin
+  from jax._src import array
+  from t5lite import cli
+  from t5lite import train as train_lib
+  gin.clear_config(clear_constants=True)
+  cli.parse_gin(["gin/pretrain_dense.gin", "gin/testing/local_tiny.gin"],
+                [f"MODEL_DIR = '{tmp_path}'", "TRAIN_STEPS = 9", "STATS_PERIOD = 3",
+                 "EVAL_PERIOD = 0", "CHECKPOINT_PERIOD = 9"], cli.gin_search_paths([]))
+  phase, syncs = ["setup"], []
+
+  def in_phase(name, fn):
+    def wrapped(*args, **kwargs):
+      outer, phase[0] = phase[0], name
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        phase[0] = outer
+    return wrapped
+
+  # Every read of a device value (float(x), np.asarray(x), jax.device_get,
+  # a Python branch on x) goes through ArrayImpl._value; waiting without
+  # reading goes through block_until_ready.
+  real_value, real_block = array.ArrayImpl._value, array.ArrayImpl.block_until_ready
+  monkeypatch.setattr(array.ArrayImpl, "_value", property(
+      lambda x: (syncs.append(phase[0]), real_value.fget(x))[1]))
+  monkeypatch.setattr(array.ArrayImpl, "block_until_ready",
+                      lambda x: (syncs.append(phase[0]), real_block(x))[1])
+  monkeypatch.setattr(train_lib, "run_epochs", in_phase("loop", train_lib.run_epochs))
+  monkeypatch.setattr(train_lib, "_write_stats", in_phase("stats", train_lib._write_stats))
+  monkeypatch.setattr(train_lib, "_end_of_epoch", in_phase("epoch end", train_lib._end_of_epoch))
+  stats_steps, real_fetch = [], metrics.fetch
+  monkeypatch.setattr(train_lib.metrics_lib, "fetch", lambda pending: (
+      stats_steps.append(len(pending)), real_fetch(pending))[1])
+  try:
+    # On accelerators this also refuses implicit transfers outright (on the
+    # CPU there is nothing to transfer, hence the counting above).
+    with jax.transfer_guard_device_to_host("disallow"):
+      end, _ = gin.get_configurable(train_lib.train)()
+  finally:
+    gin.clear_config(clear_constants=True)
+  assert end == 9 and stats_steps == [3, 3, 3]
+  assert "stats" in syncs  # the counting works
+  assert "loop" not in syncs, "the hot loop waited for the device between stats periods"
