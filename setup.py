@@ -53,6 +53,7 @@ setuptools.setup(
             "t5lite-train=t5lite.cli:train_main",
             "t5lite-eval=t5lite.cli:eval_main",
             "t5lite-infer=t5lite.cli:infer_main",
+            "t5lite-vocab=t5lite.vocab_cli:main",
         ]
     },
 )

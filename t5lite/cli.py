@@ -38,6 +38,10 @@ flags.DEFINE_integer("process_index", None, "Index of this process, 0 .. process
 flags.DEFINE_integer("initialization_timeout", 300,
                      "Seconds to wait for all processes to join before stopping with the "
                      "missing one named.")
+flags.DEFINE_bool("dry_run", False,
+                  "t5lite-train only: validate the config, build the model and mesh "
+                  "abstractly and print parameters, memory per device, partitioning, data "
+                  "and the checkpoint/eval schedule; compiles nothing, writes nothing.")
 flags.DEFINE_integer("heartbeat_timeout", 100,
                      "Seconds without a heartbeat after which a peer counts as dead; the other "
                      "processes then stop, naming it.")
@@ -336,6 +340,11 @@ def _train_entry() -> Callable[..., object]:
   import functools
   import gin
   from t5lite import train as train_lib
+  if FLAGS.dry_run:
+    from t5lite import dry_run
+    # get_bindings evaluates the references, so these are the very arguments
+    # the configured train() would receive.
+    return lambda: dry_run.run(**gin.get_bindings(train_lib.train))
   configured = gin.get_configurable(train_lib.train)
   return functools.partial(configured, summarize_config_fn=write_operative_config)
 
@@ -363,6 +372,12 @@ def _main(entry: Callable[[], Callable[..., object]]) -> None:
   app.run(main, argv=argv)
 
 
+def _refuse_dry_run(script: str) -> None:
+  if FLAGS.dry_run:
+    raise ValueError(f"--dry_run is a t5lite-train flag; {script} has no dry run. Drop the "
+                     "flag, or check the training config with t5lite-train --dry_run.")
+
+
 def train_main() -> None:
   """`t5lite-train`."""
   _main(_train_entry)
@@ -373,6 +388,7 @@ def eval_main() -> None:
   def entry():
     import gin
     from t5lite import evaluate
+    _refuse_dry_run("t5lite-eval")
     return gin.get_configurable(evaluate.evaluate)
   _main(entry)
 
@@ -382,6 +398,7 @@ def infer_main() -> None:
   def entry():
     import gin
     from t5lite import evaluate
+    _refuse_dry_run("t5lite-infer")
     return gin.get_configurable(evaluate.infer)
   _main(entry)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gzip
 import io
+import itertools
 import os
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -133,6 +134,7 @@ def train_sentencepiece(
     character_coverage: float = 1.0,
     split_digits: bool = True,
     max_sentence_length: int = 1 << 15,
+    max_sentences: int | None = None,
 ) -> pathlib.Path:
   """Trains a SentencePiece model with T5's id layout (pad 0, eos 1, unk 2).
 
@@ -151,20 +153,24 @@ def train_sentencepiece(
       tokenisation regular.
     max_sentence_length: longest line, in bytes, used for training;
       SentencePiece skips longer lines.
+    max_sentences: train on the first this many non-empty lines (in file
+      order); None reads them all.
 
   Returns:
     The path of the written `.model` file.
 
   Raises:
     ValueError: for an unknown model type, a too small vocab_size, missing
-      files, or when SentencePiece rejects the corpus (e.g. too little
-      text for vocab_size).
+      files, a max_sentences below 1, or when SentencePiece rejects the
+      corpus (e.g. too little text for vocab_size).
   """
   _check_train_args(text_files, vocab_size, model_type)
+  if max_sentences is not None and (not isinstance(max_sentences, int) or max_sentences < 1):
+    raise ValueError(f"max_sentences must be a positive integer or None, got {max_sentences!r}.")
   buffer = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_read_lines(text_files),
+        sentence_iterator=itertools.islice(_read_lines(text_files), max_sentences),
         model_writer=buffer,
         vocab_size=vocab_size,
         model_type=model_type,

@@ -1,0 +1,462 @@
+"""`t5lite-train --dry_run`: what a run would do, without compiling or writing.
+
+The dry run receives exactly the arguments gin would pass to `train()`, runs
+the same validation (`train.validate`, then the divisibility check of every
+sharded parameter), builds the train state abstractly with `jax.eval_shape`
+and prints:
+
+- the parameter count, in total and per top-level module;
+- a per-device memory estimate for parameters, gradients, optimizer state
+  and activations;
+- the partitioning table (parameter, shape, logical axes, mesh axes);
+- the data (task, lengths, global / per-host / per-device batch);
+- the schedule: the steps that checkpoint, evaluate, and where the run ends.
+
+Nothing is compiled, MODEL_DIR is never created, and checkpoints already in
+it are only listed (to find the step a real run would resume from).
+
+Activation memory is an estimate: the tensors that autodiff keeps from the
+forward pass for the backward pass, traced (`jax.make_jaxpr` of `jax.vjp`,
+no compilation) at the per-device batch. Tracing follows the model's own
+`remat_policy` and `scan_layers`, MoE dispatch and attention included. XLA
+may fuse some of those tensors away or add temporaries of its own, and
+activations split over the `model` mesh axis are counted whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from t5lite import axis_names as ax
+from t5lite import checkpoints as ckpt_lib
+from t5lite import train as train_lib
+from t5lite.data.datasets import DatasetConfig
+
+# Longest list of steps printed in full; longer ones show their ends.
+_MAX_LISTED_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRow:
+  """One parameter of the partitioning table."""
+
+  name: str
+  shape: tuple[int, ...]
+  logical: tuple[str | None, ...]
+  mesh: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Estimated bytes on one device during a training step."""
+
+  params: int
+  gradients: int
+  optimizer: int
+  activations: int
+  examples_per_device: int
+
+  @property
+  def total(self) -> int:
+    return self.params + self.gradients + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Which steps do what, from the step the run starts at to its last."""
+
+  start: int
+  start_from: str
+  end: int
+  epoch: int
+  stats: int
+  checkpoints: tuple[int, ...]
+  kept: tuple[int, ...] | None
+  evaluations: tuple[int, ...]
+  evaluators: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """Everything the dry run prints."""
+
+  model_dir: str
+  model: str
+  mesh: dict[str, int]
+  devices: str
+  params: tuple[ParamRow, ...]
+  modules: dict[str, int]
+  expert_params: int
+  active_params: int | None
+  memory: Memory
+  checkpoint_bytes: int
+  data: tuple[str, ...]
+  schedule: Schedule
+
+
+def run(out: TextIO | None = None, **train_kwargs: Any) -> Report:
+  """Validates and describes a training run; compiles and writes nothing.
+
+  Args:
+    out: where the report goes; stdout by default (process 0 only).
+    **train_kwargs: the arguments `train.train` would receive.
+
+  Returns:
+    The report that was printed.
+
+  Raises:
+    TypeError: arguments `train()` would not accept (unknown or missing).
+    ValueError: everything `train()` rejects before compiling.
+  """
+  args = inspect.signature(train_lib.train).bind(**train_kwargs)
+  args.apply_defaults()
+  report = describe(**args.arguments)
+  if jax.process_index() == 0:
+    print(format_report(report), file=out or sys.stdout, flush=True)
+  return report
+
+
+def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
+             train_eval_dataset_cfg: DatasetConfig | None,
+             infer_eval_dataset_cfg: DatasetConfig | None,
+             checkpoint_cfg: ckpt_lib.CheckpointConfig, partitioner: Any, trainer_cls: Any,
+             model_dir: str, total_steps: int, eval_steps: int, eval_period: int,
+             relative_steps: int | None, stats_period: int | None, random_seed: int | None,
+             actions: Mapping[str, Any] | None, run_eval_before_training: bool,
+             gc_period: int, **unused: Any) -> Report:
+  """The dry run's findings for `train()`'s arguments (see `run`)."""
+  del unused  # loop options (prefetching, config summary) change nothing here
+  # A seed drawn from the clock changes no shape, so any seed will do.
+  trainer = trainer_cls(model=model, partitioner=partitioner,
+                        dropout_seed=0 if random_seed is None else random_seed)
+  periods = train_lib.validate(
+      model=model, train_dataset_cfg=train_dataset_cfg, model_dir=model_dir,
+      train_eval_dataset_cfg=train_eval_dataset_cfg,
+      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
+      partitioner=partitioner, trainer=trainer, actions=actions,
+      periods_kwargs=dict(total_steps=total_steps, eval_period=eval_period,
+                          gc_period=gc_period, stats_period=stats_period))
+  shapes, types = model_input_shapes(model, train_dataset_cfg)
+  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  partitioner.check_divisible(specs.abstract, specs.logical)
+  rows = param_rows(specs, partitioner)
+  microbatches = getattr(trainer, "num_microbatches", None) or 1
+  per_device = train_dataset_cfg.batch_size // partitioner.batch_size_divisor()
+  examples = max(1, per_device // microbatches)
+  activations = activation_bytes(model, shapes, types, specs.abstract.params, examples)
+  evaluators = ", ".join(name for name, cfg in (("train-eval", train_eval_dataset_cfg),
+                                                 ("infer-eval", infer_eval_dataset_cfg))
+                         if cfg is not None and periods.eval)
+  return Report(
+      model_dir=model_dir, model=_model_name(model), mesh=dict(partitioner.mesh.shape),
+      devices=_devices(), params=tuple(rows), modules=module_counts(rows),
+      expert_params=_expert_params(rows), active_params=_active_params(model, rows),
+      memory=Memory(params=sharded_bytes(specs.abstract.params, specs.shardings.params),
+                    gradients=sharded_bytes(specs.abstract.params, specs.shardings.params),
+                    optimizer=sharded_bytes(specs.abstract.opt_state,
+                                            specs.shardings.opt_state),
+                    activations=activations, examples_per_device=examples),
+      checkpoint_bytes=_checkpoint_bytes(specs, checkpoint_cfg.save),
+      data=tuple(data_lines(train_dataset_cfg, train_eval_dataset_cfg, infer_eval_dataset_cfg,
+                            partitioner, eval_steps, microbatches)),
+      schedule=schedule(periods=periods, model_dir=model_dir, checkpoint_cfg=checkpoint_cfg,
+                        total_steps=total_steps, relative_steps=relative_steps,
+                        evaluators=evaluators,
+                        eval_at_start=run_eval_before_training))
+
+
+# ---------------------------------------------------------------------------
+# Model and parameters
+
+
+def model_input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
+  """Batch-1 shapes and dtypes of the model features, from the feature converter.
+
+  The same features the training pipeline yields (`train.TrainData`), read
+  from seqio's converter instead of a built tf.data pipeline; every feature
+  is int32, as `datasets.get_dataset` casts them.
+  """
+  converter = model.FEATURE_CONVERTER_CLS(pack=cfg.pack)
+  lengths = converter.get_model_feature_lengths(dict(cfg.task_feature_lengths))
+  return ({k: (1, n) for k, n in lengths.items()}, {k: np.int32 for k in lengths})
+
+
+def _path_name(path: Sequence[Any]) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def param_rows(specs: train_lib.StateSpecs, partitioner: Any) -> list[ParamRow]:
+  """One row per parameter: path, shape, logical axes and mesh axes."""
+  flat = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
+  logical = jax.tree.leaves(specs.logical.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return [ParamRow(name=_path_name(path), shape=tuple(leaf.shape), logical=tuple(spec),
+                   mesh=tuple(partitioner.logical_to_mesh_spec(spec)))
+          for (path, leaf), spec in zip(flat, logical)]
+
+
+def module_counts(rows: Sequence[ParamRow]) -> dict[str, int]:
+  """Parameters per top-level module (the first component of the path)."""
+  counts: dict[str, int] = {}
+  for row in rows:
+    top = row.name.split("/")[0]
+    counts[top] = counts.get(top, 0) + math.prod(row.shape)
+  return counts
+
+
+def _expert_params(rows: Sequence[ParamRow]) -> int:
+  return sum(math.prod(r.shape) for r in rows if ax.EXPERT in r.logical)
+
+
+def _active_params(model: Any, rows: Sequence[ParamRow]) -> int | None:
+  """Parameters one token passes through: experts count k / num_experts."""
+  config = getattr(model.module, "config", None)
+  experts = getattr(config, "num_experts", 0)
+  if not experts:
+    return None
+  total = sum(math.prod(r.shape) for r in rows)
+  expert = _expert_params(rows)
+  return total - expert + expert * config.num_selected_experts // experts
+
+
+def _model_name(model: Any) -> str:
+  vocab = model.output_vocabulary
+  rows = getattr(getattr(model.module, "config", None), "vocab_size", None)
+  return (f"{type(model).__name__} ({type(model.module).__name__}), "
+          f"{type(vocab).__name__} of {vocab.vocab_size} ids"
+          + (f" in {rows} embedding rows" if rows else ""))
+
+
+def _devices() -> str:
+  devices = jax.devices()
+  return (f"{len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
+          "process(es)")
+
+
+# ---------------------------------------------------------------------------
+# Memory
+
+
+def _itemsize(dtype: Any) -> int:
+  # PRNG key arrays have an extended dtype; their data are two uint32s.
+  return getattr(dtype, "itemsize", 8)
+
+
+def sharded_bytes(abstract: Any, shardings: Any) -> int:
+  """Bytes one device holds of a tree of arrays laid out by `shardings`."""
+  leaves = jax.tree.leaves(abstract)
+  placed = jax.tree.leaves(shardings)
+  return sum(math.prod(s.shard_shape(tuple(a.shape))) * _itemsize(a.dtype)
+             for a, s in zip(leaves, placed))
+
+
+def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types: Mapping[str, Any],
+                     abstract_params: Any, examples: int) -> int:
+  """Bytes of the tensors the backward pass keeps, for `examples` examples.
+
+  Traces (never compiles) the training loss under `jax.vjp` and adds up
+  the residuals the pullback closes over, except the parameters and
+  inputs themselves. Remat and scan are whatever the model does.
+
+  Args:
+    model: gives `loss_fn`.
+    input_shapes: feature -> batch-1 shape.
+    input_types: feature -> dtype.
+    abstract_params: the parameters as ShapeDtypeStructs.
+    examples: examples per device (per microbatch).
+
+  Returns:
+    The estimate, in bytes.
+  """
+  batch = {k: jax.ShapeDtypeStruct((examples,) + tuple(s[1:]), input_types[k])
+           for k, s in input_shapes.items()}
+
+  def residuals(params, batch):
+    # Dropout on, as in training; the key is a traced input, not a constant.
+    loss = lambda p: model.loss_fn(p, batch, jax.random.key(0))[0]
+    return jax.vjp(loss, params)[1]
+
+  jaxpr = jax.make_jaxpr(residuals)(abstract_params, batch).jaxpr
+  inputs = {id(v) for v in jaxpr.invars}
+  seen, total = set(), 0
+  for var in jaxpr.outvars:
+    if hasattr(var, "val") or id(var) in inputs or id(var) in seen:
+      continue  # a constant, or a parameter/input handed through
+    seen.add(id(var))
+    total += math.prod(var.aval.shape) * _itemsize(var.aval.dtype)
+  return total
+
+
+def _checkpoint_bytes(specs: train_lib.StateSpecs,
+                      save: ckpt_lib.SaveCheckpointConfig | None) -> int:
+  """Bytes of one checkpoint: parameters (in the save dtype) and optimizer state."""
+  params = jax.tree.leaves(specs.abstract.params)
+  itemsize = np.dtype(save.dtype).itemsize if save is not None and save.dtype else None
+  total = sum(a.size * (itemsize or _itemsize(a.dtype)) for a in params)
+  return total + sum(a.size * _itemsize(a.dtype) for a in jax.tree.leaves(specs.abstract.opt_state))
+
+
+# ---------------------------------------------------------------------------
+# Data and schedule
+
+
+def data_lines(train_cfg: DatasetConfig, eval_cfg: DatasetConfig | None,
+               infer_cfg: DatasetConfig | None, partitioner: Any, eval_steps: int,
+               microbatches: int) -> list[str]:
+  """What each dataset reads and how the global batch splits."""
+  layout = partitioner.get_data_layout(train_cfg.batch_size)
+  divisor = partitioner.batch_size_divisor()
+  lines = [
+      f"train       {_dataset(train_cfg)}",
+      f"batch       global {train_cfg.batch_size} = {train_cfg.batch_size // layout.num_shards}"
+      f" per host x {layout.num_shards} host(s); {train_cfg.batch_size // divisor} per device"
+      f" x {divisor} data-parallel device(s)"
+      + (f"; {microbatches} microbatches" if microbatches > 1 else ""),
+  ]
+  if eval_cfg is not None:
+    names = train_lib.eval_task_names(eval_cfg)
+    lines.append(f"train-eval  {_dataset(eval_cfg)}; {eval_steps} batches of "
+                 f"{eval_cfg.batch_size}" + (f"; per task: {', '.join(names[1:])}"
+                                              if len(names) > 1 else ""))
+  lines.append(f"infer-eval  {_dataset(infer_cfg) + '; every example' if infer_cfg else 'off'}")
+  return lines
+
+
+def _dataset(cfg: DatasetConfig) -> str:
+  lengths = ", ".join(f"{k} {v}" for k, v in cfg.task_feature_lengths.items())
+  return (f"{cfg.mixture_or_task_name} ({cfg.split}{', packed' if cfg.pack else ''}"
+          f"{', shuffled' if cfg.shuffle else ''}), lengths {lengths}")
+
+
+def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None) -> tuple[int, str]:
+  """The step a run starts at, found the way `train.init_or_restore` does,
+  reading checkpoints without creating any directory."""
+  existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
+  steps = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
+  if steps:
+    return steps[-1], f"resumes from checkpoint {steps[-1]} in MODEL_DIR"
+  if restore is not None and restore.path and restore.params_only:
+    return 0, f"parameters from {restore.path}, step 0"
+  if restore is not None and restore.path:
+    _, step = ckpt_lib.resolve_restore_path(restore)
+    return step, f"restores step {step} from {restore.path}"
+  return 0, "fresh start"
+
+
+def schedule(*, periods: train_lib.Periods, model_dir: str,
+             checkpoint_cfg: ckpt_lib.CheckpointConfig, total_steps: int,
+             relative_steps: int | None, evaluators: str, eval_at_start: bool) -> Schedule:
+  """The steps the loop checkpoints and evaluates at (see `train._end_of_epoch`)."""
+  start, start_from = _start(model_dir, checkpoint_cfg.restore)
+  end = start + relative_steps if relative_steps is not None else total_steps
+  steps = range(start + 1, end + 1)
+  saves: tuple[int, ...] = ()
+  if periods.checkpoint:
+    saves = tuple(s for s in steps if s % periods.checkpoint == 0 or s == end
+                  or s in periods.checkpoint_steps)
+  evals: tuple[int, ...] = ()
+  if evaluators:
+    evals = tuple(s for s in steps if s % periods.eval == 0 or s == end)
+    if eval_at_start and start < end:
+      evals = (start,) + evals
+  return Schedule(start=start, start_from=start_from, end=end, epoch=periods.epoch,
+                  stats=periods.stats, checkpoints=saves,
+                  kept=_kept(model_dir, saves, checkpoint_cfg.save), evaluations=evals,
+                  evaluators=evaluators)
+
+
+def _kept(model_dir: str, saves: Sequence[int],
+          save: ckpt_lib.SaveCheckpointConfig | None) -> tuple[int, ...] | None:
+  """Steps on disk at the end under the keep rules; None when all are kept."""
+  if save is None or save.keep is None:
+    return None
+  existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
+  on_disk = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
+  steps = sorted(set(on_disk) | set(saves))
+  forever = {s for s in steps if save.keep_every_n_steps and s % save.keep_every_n_steps == 0}
+  return tuple(sorted(forever | set(steps[-save.keep:])))
+
+
+# ---------------------------------------------------------------------------
+# Formatting
+
+
+def format_steps(steps: Sequence[int]) -> str:
+  """'2, 4' or, for long lists, '200, 400, 600, ..., 99800, 100000 (500 steps)'."""
+  if not steps:
+    return "none"
+  if len(steps) <= _MAX_LISTED_STEPS:
+    return ", ".join(map(str, steps))
+  head, tail = ", ".join(map(str, steps[:3])), ", ".join(map(str, steps[-2:]))
+  return f"{head}, ..., {tail} ({len(steps)} steps)"
+
+
+def format_bytes(n: float) -> str:
+  """'512 B', '3.2 KiB', '771.2 MiB', '1.5 GiB', ..."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024:
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} TiB"
+
+
+def _axes(axes: Sequence[Any]) -> str:
+  def one(a):
+    if a is None:
+      return "-"
+    return "+".join(a) if isinstance(a, (tuple, list)) else str(a)
+  return "(" + ", ".join(one(a) for a in axes) + ")"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def format_report(r: Report) -> str:
+  """The report as the text `--dry_run` prints."""
+  exists = "exists" if os.path.isdir(r.model_dir) else "does not exist yet; not created"
+  total = sum(r.modules.values())
+  lines = [f"Dry run: nothing compiled, nothing written. MODEL_DIR {r.model_dir} ({exists}).",
+           "", f"Model: {r.model}", f"Parameters: {total:,} total"]
+  lines += _table([[name, f"{n:,}"] for name, n in r.modules.items()])
+  if r.active_params is not None:
+    lines.append(f"  of which experts {r.expert_params:,}; active per token "
+                 f"{r.active_params:,}")
+  m, s = r.memory, r.schedule
+  lines += ["", f"Mesh: {_axes_sizes(r.mesh)} over {r.devices}",
+            "Memory per device (estimate):",
+            f"  parameters    {format_bytes(m.params):>10}",
+            f"  gradients     {format_bytes(m.gradients):>10}",
+            f"  optimizer     {format_bytes(m.optimizer):>10}",
+            f"  activations   {format_bytes(m.activations):>10}  (kept for the backward pass at "
+            f"{m.examples_per_device} examples per device; traced, not compiled)",
+            f"  total         {format_bytes(m.total):>10}",
+            f"Checkpoint size: {format_bytes(r.checkpoint_bytes)} per step", "",
+            "Partitioning:"]
+  lines += _table([["parameter", "shape", "logical axes", "mesh axes"]]
+                  + [[p.name, str(p.shape), _axes(p.logical), _axes(p.mesh)] for p in r.params])
+  lines += ["", "Data:"] + [f"  {line}" for line in r.data]
+  lines += ["", "Schedule:",
+            f"  steps       {s.start} -> {s.end} ({s.start_from}); {s.epoch} steps per epoch, "
+            f"metrics every {s.stats}",
+            f"  checkpoints {format_steps(s.checkpoints)}"
+            + (f"; kept at the end: {format_steps(s.kept)}" if s.kept is not None else ""),
+            f"  evaluation  {format_steps(s.evaluations)}"
+            + (f" ({s.evaluators})" if s.evaluations else ""),
+            f"  ends at     step {s.end}" if s.start < s.end
+            else f"  ends at     step {s.start}: already there, nothing to train"]
+  return "\n".join(lines)
+
+
+def _axes_sizes(mesh: Mapping[str, int]) -> str:
+  return " ".join(f"{k}={v}" for k, v in mesh.items())
