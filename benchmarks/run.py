@@ -1,11 +1,33 @@
-"""Framework overhead of the train() main loop against a bare jitted loop.
+"""Training performance report: MFU, framework overhead, input pipeline,
+compile time and host memory, for each benchmark config, in one run.
 
-Both loops run the same compiled train step of the same model in this
-process: the bare loop feeds one resident batch, `train()` runs its real data
-pipeline, metrics, summaries and checkpoints. The figure reported is the ratio
-of their steps per second; the JSON lands in benchmarks/results/.
+For every gin file (by default gin/benchmarks/dense.gin and moe.gin):
 
-  .venv/bin/python benchmarks/run.py [--gin_file=...] [--steps=N]
+  (a) model FLOPs utilisation: the model's FLOPs per training step
+      (`BaseModel.train_flops_per_step`, 3 x the forward matmuls; see
+      docs/performance.md) over the step time of a bare loop, divided by the
+      peak matmul FLOP/s measured at the start of the same run (best of
+      float32 and bfloat16 jitted square matmuls of 1024, 2048 and 4096);
+  (b) framework overhead: 1 - steps/s of the real `train()` main loop (data
+      pipeline, prefetching, metrics, summaries, checkpoint) over steps/s of
+      a bare loop calling the same compiled step on one resident batch. The
+      bare loop runs in blocks before and after `train()`; as with `timeit`,
+      the fastest block and the fastest stats period of `train()` are
+      compared, since other processes only ever slow either down (the ratio
+      of medians is recorded too);
+  (c) input pipeline: token positions per second the SeqIO pipeline builds
+      (device transfer included, nothing else running) over those the
+      `train()` loop consumes;
+  (d) compile time of the train step against depth, with and without
+      `scan_layers`;
+  (e) peak host memory (resident set high-water mark) of a `t5lite-train`
+      run of the config in a subprocess.
+
+Other processes on the machine change every figure: the load average is
+recorded at the start and end of each config. The JSON lands in
+benchmarks/results/bench-<time>.json.
+
+  .venv/bin/python benchmarks/run.py [--gin_file=...]... [--steps=60]
 """
 
 from __future__ import annotations
@@ -14,12 +36,19 @@ import argparse
 import datetime
 import json
 import os
+import platform
+import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from t5lite import cli
@@ -27,39 +56,115 @@ from t5lite import train as train_lib
 from t5lite.train_state import TrainState
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIGS = ("gin/benchmarks/dense.gin", "gin/benchmarks/moe.gin")
+# Targets on the 2-core CPU (docs/performance.md).
+TARGETS = {"gin/benchmarks/dense.gin": 0.40, "gin/benchmarks/moe.gin": 0.25}
+MAX_OVERHEAD, MIN_PIPELINE_RATIO = 0.03, 5.0
 
 
-def _configure(gin_files: list[str], model_dir: str, steps: int, stats: int) -> None:
+# ---------------------------------------------------------------------------
+# Machine
+
+
+def machine() -> dict[str, Any]:
+  """CPU model, core count and platform, for the record."""
+  model = platform.processor()
+  try:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines()
+                  if l.startswith("Model name")), model)
+  except OSError:
+    pass
+  return {"cpu_model": model, "nproc": os.cpu_count(), "devices": str(jax.devices()),
+          "jax": jax.__version__, "python": platform.python_version()}
+
+
+def git_commit() -> str:
+  out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+  return out.stdout.strip() or "unknown"
+
+
+def matmul_peak(sizes: Sequence[int] = (1024, 2048, 4096), repeats: int = 5) -> dict[str, Any]:
+  """Best FLOP/s of jitted square matmuls over sizes and float32/bfloat16."""
+  rates = {}
+  for dtype in ("float32", "bfloat16"):
+    for n in sizes:
+      a = jnp.ones((n, n), dtype)
+      matmul = jax.jit(lambda x, y: x @ y)
+      matmul(a, a).block_until_ready()  # compile
+      best = float("inf")
+      for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+      rates[f"{dtype} {n}"] = 2 * n**3 / best
+  best_name = max(rates, key=rates.get)
+  return {"flops_per_second": rates[best_name], "best": best_name, "all": rates}
+
+
+# ---------------------------------------------------------------------------
+# One config
+
+
+def configure(gin_file: str, model_dir: str, steps: int, stats: int,
+              extra: Sequence[str] = ()) -> None:
+  """Parses the config with evaluation and one checkpoint only at the end,
+  so that neither lands in a timing window."""
   gin.config.clear_config(clear_constants=True)
   bindings = [f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}", f"STATS_PERIOD = {stats}",
-              f"EVAL_PERIOD = {steps}", f"CHECKPOINT_PERIOD = {steps}", "EVAL_STEPS = 1"]
-  cli.parse_gin(gin_files, bindings, cli.gin_search_paths([]))
+              f"EVAL_PERIOD = {steps}", f"CHECKPOINT_PERIOD = {steps}", "EVAL_STEPS = 1",
+              *extra]
+  cli.parse_gin([gin_file], bindings, cli.gin_search_paths([]))
 
 
-def bare_loop(steps: int) -> float:
-  """Steps/s of the compiled step on one resident batch, nothing else."""
-  kwargs = {k: gin.query_parameter(f"train_lib.train.{k}").scoped_configurable_fn()
-            for k in ("model", "partitioner")}
-  model, partitioner = kwargs["model"], kwargs["partitioner"]
-  train_cfg = gin.query_parameter("train_lib.train.train_dataset_cfg").scoped_configurable_fn()
+def _objects() -> tuple[Any, Any, Any, Any]:
+  """The gin-configured model, partitioner, training data config and trainer."""
+  def get(name):
+    return gin.query_parameter(f"train_lib.train.{name}").scoped_configurable_fn()
+  model, partitioner, train_cfg = get("model"), get("partitioner"), get("train_dataset_cfg")
   trainer = gin.query_parameter("train_lib.train.trainer_cls").scoped_configurable_fn(
       model=model, partitioner=partitioner)
-  specs, init_fn = train_lib.state_specs(model, partitioner,
-                                         *train_lib.model_input_shapes(model, train_cfg))
-  state: TrainState = partitioner.partition(init_fn, None, specs.shardings)(jax.random.key(0))
-  batch = next(train_lib.TrainData(model, train_cfg, partitioner))
-  step = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in batch.items()})
-  state, metrics = step(state, batch)  # compile
-  jax.block_until_ready(metrics)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state, batch)
-  jax.block_until_ready((state, metrics))
-  return steps / (time.perf_counter() - start)
+  return model, partitioner, train_cfg, trainer
 
 
-def train_loop(steps: int, stats: int, model_dir: str) -> float:
-  """Steps/s of train() measured by its own timing summaries, compile excluded."""
+def _tokens_per_batch(batch: Mapping[str, Any]) -> int:
+  """Token positions of a batch: encoder inputs plus decoder targets."""
+  keys = ("encoder_input_tokens", "decoder_target_tokens")
+  return int(sum(np.prod(batch[k].shape) for k in keys if k in batch))
+
+
+class BareLoop:
+  """The compiled train step on one resident batch, nothing else."""
+
+  def __init__(self):
+    model, partitioner, train_cfg, trainer = _objects()
+    specs, init_fn = train_lib.state_specs(
+        model, partitioner, *train_lib.model_input_shapes(model, train_cfg))
+    self.state: TrainState = partitioner.partition(init_fn, None, specs.shardings)(
+        jax.random.key(0))
+    self.batch = next(train_lib.TrainData(model, train_cfg, partitioner, prefetch_depth=0))
+    self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.state.params)))
+    shapes = {k: v.shape for k, v in self.batch.items()}
+    self.flops_per_step = model.train_flops_per_step(shapes)
+    self.tokens_per_batch = _tokens_per_batch(self.batch)
+    self.step = trainer.compile_train_step(specs.shardings,
+                                           {k: v.sharding for k, v in self.batch.items()})
+    self.run(2)  # compile and warm up
+
+  def run(self, steps: int) -> float:
+    """Steps/s of `steps` back-to-back steps (dispatch runs ahead, as in train())."""
+    start = time.perf_counter()
+    for _ in range(steps):
+      self.state, metrics = self.step(self.state, self.batch)
+    jax.block_until_ready((self.state, metrics))
+    return steps / (time.perf_counter() - start)
+
+
+def train_loop(steps: int, stats: int, model_dir: str) -> list[float]:
+  """Steps/s of each stats period of a real train() run, the first (which
+  compiles) left out, read from train()'s own timing summaries."""
   gin.get_configurable(train_lib.train)()
   from tensorboard.backend.event_processing import event_accumulator
   from tensorflow.python.framework import tensor_util
@@ -68,37 +173,191 @@ def train_loop(steps: int, stats: int, model_dir: str) -> float:
   acc.Reload()
   rates = {e.step: float(tensor_util.MakeNdarray(e.tensor_proto))
            for e in acc.Tensors("timing/steps_per_second")}
-  later = [r for s, r in sorted(rates.items()) if s > stats]  # the first period compiles
-  return float(np.median(later))
+  return [r for s, r in sorted(rates.items()) if s > stats]
+
+
+def pipeline_rate(batches: int) -> float:
+  """Batches/s the training input pipeline builds, device transfer included."""
+  model, partitioner, train_cfg, _ = _objects()
+  data = train_lib.TrainData(model, train_cfg, partitioner, prefetch_depth=0)
+  for _ in range(3):  # start tf.data's threads and buffers
+    next(data)
+  start = time.perf_counter()
+  for _ in range(batches):
+    next(data)
+  return batches / (time.perf_counter() - start)
+
+
+def compile_seconds(gin_file: str, layers: int, scan: bool) -> float:
+  """Trace, lower and compile time of the train step at a depth (no init)."""
+  configure(gin_file, tempfile.gettempdir(), 1, 1, [
+      f"transformer.TransformerConfig.num_encoder_layers = {layers}",
+      f"transformer.TransformerConfig.num_decoder_layers = {layers}",
+      f"transformer.TransformerConfig.scan_layers = {scan}"])
+  model, partitioner, train_cfg, trainer = _objects()
+  shapes, types = train_lib.model_input_shapes(model, train_cfg)
+  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size,) + s[1:], types[k],
+                                   sharding=partitioner.batch_sharding(len(s)))
+           for k, s in shapes.items()}
+  step = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in batch.items()})
+  start = time.perf_counter()
+  step.lower(specs.abstract, batch).compile()
+  return time.perf_counter() - start
+
+
+def compile_sweep(gin_file: str, depths: Sequence[int]) -> dict[str, dict[int, float]]:
+  """Compile seconds by layout ('unscanned', 'scanned') and depth."""
+  with _NoCache():  # a persistent cache would turn a compile into a lookup
+    return {name: {d: compile_seconds(gin_file, d, scan) for d in depths}
+            for name, scan in (("unscanned", False), ("scanned", True))}
+
+
+class _NoCache:
+  """Turns JAX's persistent compilation cache off for the duration."""
+
+  def __enter__(self):
+    self._was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+
+  def __exit__(self, *exc):
+    jax.config.update("jax_enable_compilation_cache", self._was)
+
+
+def peak_host_memory(gin_file: str, steps: int) -> float:
+  """Resident-set high-water mark, in bytes, of a `t5lite-train` run."""
+  with tempfile.TemporaryDirectory() as model_dir:
+    command = [os.path.join(os.path.dirname(sys.executable), "t5lite-train"),
+               f"--gin_file={gin_file}", f"--gin.MODEL_DIR='{model_dir}'",
+               f"--gin.TRAIN_STEPS={steps}", f"--gin.EVAL_PERIOD={steps}",
+               f"--gin.CHECKPOINT_PERIOD={steps}", f"--gin.STATS_PERIOD={steps}",
+               "--gin.EVAL_STEPS=1"]
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    stderr = proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+      raise RuntimeError(f"t5lite-train failed:\n{stderr[-2000:]}")
+  return usage.ru_maxrss * 1024.0  # Linux reports KiB
+
+
+def bench_config(gin_file: str, args: argparse.Namespace, peak: float) -> dict[str, Any]:
+  """Every figure of one config; see the module docstring."""
+  result: dict[str, Any] = {"gin_file": gin_file, "load_average_start": os.getloadavg()}
+  with tempfile.TemporaryDirectory() as model_dir:
+    configure(gin_file, model_dir, args.steps, args.stats)
+    bare = BareLoop()
+    blocks = [bare.run(args.bare_steps) for _ in range(2)]
+    configure(gin_file, model_dir, args.steps, args.stats)
+    periods = train_loop(args.steps, args.stats, model_dir)
+    blocks += [bare.run(args.bare_steps) for _ in range(2)]
+  flops, tokens, params = bare.flops_per_step, bare.tokens_per_batch, bare.num_params
+  bare_rate, train_rate = max(blocks), max(periods)
+  del bare
+  configure(gin_file, tempfile.gettempdir(), args.steps, args.stats)
+  pipeline = pipeline_rate(args.pipeline_batches)
+  result.update(
+      num_params=params, flops_per_step=flops, tokens_per_batch=tokens,
+      bare_steps_per_second=blocks, train_loop_steps_per_second=periods,
+      step_seconds=1 / bare_rate, model_flops_per_second=flops * bare_rate,
+      mfu=flops * bare_rate / peak, train_loop_mfu=flops * train_rate / peak,
+      framework_overhead=1 - train_rate / bare_rate,
+      framework_overhead_of_medians=1 - statistics.median(periods) / statistics.median(blocks),
+      pipeline_tokens_per_second=pipeline * tokens,
+      consumed_tokens_per_second=train_rate * tokens, pipeline_ratio=pipeline / train_rate)
+  if args.compile_depths:
+    result["compile_seconds"] = compile_sweep(gin_file, args.compile_depths)
+  if args.memory_steps:
+    result["peak_host_memory_bytes"] = peak_host_memory(gin_file, args.memory_steps)
+  result["load_average_end"] = os.getloadavg()
+  return result
+
+
+# ---------------------------------------------------------------------------
+# Report
+
+
+def _verdict(ok: bool) -> str:
+  return "met" if ok else "MISSED"
+
+
+def report(name: str, r: Mapping[str, Any], peak: Mapping[str, Any]) -> list[str]:
+  """The printed lines of one config."""
+  target = TARGETS.get(name)
+  lines = [f"{name}: {r['num_params'] / 1e6:.1f}M parameters, {r['flops_per_step'] / 1e9:.1f} GFLOP per step (3 x forward matmuls), "
+           f"{r['tokens_per_batch']} token positions per batch; load average "
+           f"{r['load_average_start'][0]:.1f} -> {r['load_average_end'][0]:.1f}"]
+  mfu = (f"  (a) MFU              {100 * r['mfu']:5.1f} %  ({r['model_flops_per_second'] / 1e9:.1f}"
+         f" of {peak['flops_per_second'] / 1e9:.1f} GFLOP/s peak; step {r['step_seconds']:.3f} s;"
+         f" {100 * r['train_loop_mfu']:.1f} % in train())")
+  if target is not None:
+    mfu += f"   target >= {100 * target:.0f} %: {_verdict(r['mfu'] >= target)}"
+  lines.append(mfu)
+  lines.append(
+      f"  (b) framework overhead {100 * r['framework_overhead']:5.1f} %  (train() best "
+      f"{max(r['train_loop_steps_per_second']):.3f} steps/s vs bare best "
+      f"{max(r['bare_steps_per_second']):.3f}; of medians "
+      f"{100 * r['framework_overhead_of_medians']:.1f} %)   target <= "
+      f"{100 * MAX_OVERHEAD:.0f} %: {_verdict(r['framework_overhead'] <= MAX_OVERHEAD)}")
+  lines.append(
+      f"  (c) input pipeline   {r['pipeline_ratio']:7.1f} x  ({r['pipeline_tokens_per_second']:,.0f}"
+      f" tokens/s built vs {r['consumed_tokens_per_second']:,.0f} consumed)   target >= "
+      f"{MIN_PIPELINE_RATIO:.0f} x: {_verdict(r['pipeline_ratio'] >= MIN_PIPELINE_RATIO)}")
+  if "compile_seconds" in r:
+    for layout, times in r["compile_seconds"].items():
+      text = "  ".join(f"{d}+{d} layers {t:5.1f} s" for d, t in times.items())
+      lines.append(f"  (d) compile {layout:9s} {text}")
+    scanned = list(r["compile_seconds"]["scanned"].values())
+    growth = scanned[-1] / scanned[0]
+    lines.append(f"      scanned compile time grows {growth:.2f}x over the depths: "
+                 f"{'flat' if growth <= 1.25 else 'NOT flat'}")
+  if "peak_host_memory_bytes" in r:
+    lines.append(f"  (e) peak host memory {r['peak_host_memory_bytes'] / 2**30:5.2f} GiB "
+                 "(t5lite-train run, resident-set high-water mark)")
+  return lines
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gin_file", action="append",
-                      default=None, help="gin files (default: the dense headline)")
-  parser.add_argument("--steps", type=int, default=60)
-  parser.add_argument("--stats", type=int, default=10)
+  parser.add_argument("--gin_file", action="append", default=None,
+                      help=f"configs to measure (default: {', '.join(CONFIGS)})")
+  parser.add_argument("--steps", type=int, default=60, help="train() steps")
+  parser.add_argument("--stats", type=int, default=10, help="train() stats period")
+  parser.add_argument("--bare_steps", type=int, default=10,
+                      help="bare-loop steps before and after train()")
+  parser.add_argument("--pipeline_batches", type=int, default=200)
+  parser.add_argument("--compile_depths", type=lambda s: [int(x) for x in s.split(",") if x],
+                      default=[2, 4, 8], help="comma-separated depths per stack; empty skips")
+  parser.add_argument("--memory_steps", type=int, default=10,
+                      help="steps of the t5lite-train run measured for memory; 0 skips")
+  parser.add_argument("--output", default=None)
   args = parser.parse_args()
-  gin_files = args.gin_file or ["gin/pretrain_dense.gin"]
-  with tempfile.TemporaryDirectory() as model_dir:
-    _configure(gin_files, model_dir, args.steps, args.stats)
-    bare = bare_loop(args.steps)
-    _configure(gin_files, model_dir, args.steps, args.stats)
-    full = train_loop(args.steps, args.stats, model_dir)
-  result = {
-      "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "gin_files": gin_files, "steps": args.steps, "devices": str(jax.devices()),
-      "bare_steps_per_second": bare, "train_loop_steps_per_second": full,
-      "framework_overhead": 1.0 - full / bare,
-  }
-  os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-  path = os.path.join(HERE, "results", f"overhead-{int(time.time())}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"bare jitted loop      {bare:8.2f} steps/s")
-  print(f"train() main loop     {full:8.2f} steps/s")
-  print(f"framework overhead    {100 * result['framework_overhead']:7.1f} %   ({path})")
+  os.chdir(ROOT)
+  configs = args.gin_file or list(CONFIGS)
+  started = datetime.datetime.now(datetime.timezone.utc)
+  info = {"when": started.isoformat(), "commit": git_commit(), "machine": machine(),
+          "load_average_start": os.getloadavg(), "args": vars(args)}
+  peak = matmul_peak()
+  info["matmul_peak"] = peak
+  results = {name: bench_config(name, args, peak["flops_per_second"]) for name in configs}
+  info.update(results=results, load_average_end=os.getloadavg(),
+              benchmark_process_peak_rss_bytes=resource.getrusage(
+                  resource.RUSAGE_SELF).ru_maxrss * 1024.0)
+  output = args.output or os.path.join(HERE, "results", f"bench-{int(started.timestamp())}.json")
+  os.makedirs(os.path.dirname(output), exist_ok=True)
+  with open(output, "w") as f:
+    json.dump(info, f, indent=2)
+  m = info["machine"]
+  print(f"t5lite training benchmark, commit {info['commit']}, {started:%Y-%m-%d %H:%M} UTC")
+  print(f"machine: {m['cpu_model']}, {m['nproc']} cores; load average "
+        f"{info['load_average_start'][0]:.1f} -> {info['load_average_end'][0]:.1f}")
+  print(f"matmul peak: {peak['flops_per_second'] / 1e9:.1f} GFLOP/s ({peak['best']}; "
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peak["all"].items()) + ")")
+  for name, r in results.items():
+    print("\n".join(report(name, r, peak)))
+  print(f"results: {output}")
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

@@ -67,18 +67,45 @@ def format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+# Dense bfloat16 peak FLOP/s of one chip (vendor datasheets, no sparsity), by
+# a substring of jax's `device_kind`; the first match wins, so specific
+# variants come first. Model FLOPs utilisation is reported where it is known.
+PEAK_FLOPS_PER_DEVICE = {
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12,
+    "B200": 2250e12, "A100": 312e12, "L4": 121e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+}
+
+
+def peak_flops_per_second(devices: Sequence[jax.Device] | None = None) -> float | None:
+  """Datasheet peak of all `devices` (default: every device of the job) or None."""
+  devices = list(devices or jax.devices())
+  kind = devices[0].device_kind
+  for name, flops in PEAK_FLOPS_PER_DEVICE.items():
+    if name in kind:
+      return flops * len(devices)
+  return None
+
+
 class Progress:
   """Tracks throughput between stats periods and prints one line each time.
 
   Args:
     total_steps: the step the run ends at, for the ETA.
     start_step: the step training starts from.
+    flops_per_step: model FLOPs of one training step of the global batch
+      (see `BaseModel.train_flops_per_step`), or None; adds model FLOP/s.
+    peak_flops_per_second: the devices' peak, or None; with `flops_per_step`
+      adds model FLOPs utilisation (MFU).
   """
 
-  def __init__(self, total_steps: int, start_step: int):
+  def __init__(self, total_steps: int, start_step: int, flops_per_step: float | None = None,
+               peak_flops_per_second: float | None = None):
     self._total = total_steps
     self._last_step = start_step
     self._last_time = time.perf_counter()
+    self._flops = flops_per_step
+    self._peak = peak_flops_per_second if flops_per_step else None
 
   def reset_clock(self, step: int) -> None:
     """Restarts timing, e.g. after a compile or an evaluation pause."""
@@ -91,11 +118,16 @@ class Progress:
     steps = max(step - self._last_step, 1)
     self._last_step, self._last_time = step, now
     rate = steps / elapsed
-    return {
+    timing = {
         "timing/steps_per_second": rate,
         "timing/seqs_per_second": rate * scalars.get("num_examples", 0.0),
         "timing/target_tokens_per_second": rate * scalars.get("num_tokens", 0.0),
     }
+    if self._flops:
+      timing["timing/model_flops_per_second"] = rate * self._flops
+    if self._peak:
+      timing["timing/mfu"] = rate * self._flops / self._peak
+    return timing
 
   def line(self, step: int, scalars: Mapping[str, float]) -> str:
     rate = scalars.get("timing/steps_per_second", 0.0)
@@ -104,7 +136,18 @@ class Progress:
     return (f"step {step}/{self._total}  loss {scalars.get('loss', float('nan')):.4f}  "
             f"lr {scalars.get('learning_rate', float('nan')):.3g}  {rate:.2f} steps/s  "
             f"{scalars.get('timing/target_tokens_per_second', 0.0):.0f} tokens/s  "
-            f"ETA {eta_text}")
+            + _flops_text(scalars) + f"ETA {eta_text}")
+
+
+def _flops_text(scalars: Mapping[str, float]) -> str:
+  """Model TFLOP/s and MFU for the progress line, where known."""
+  text = ""
+  if "timing/model_flops_per_second" in scalars:
+    flops = scalars["timing/model_flops_per_second"]
+    text += (f"{flops / 1e12:.3g} TFLOP/s  " if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s  ")
+  if "timing/mfu" in scalars:
+    text += f"MFU {100 * scalars['timing/mfu']:.1f}%  "
+  return text
 
 
 def log_line(text: str) -> None:

@@ -303,6 +303,11 @@ class TrainData:
                       for k, spec in self._ds.element_spec.items()}
     self.iterator = iter(self._ds)
 
+  def global_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Shapes of the global batches this yields, e.g. for counting FLOPs."""
+    return {k: (self._global_batch,) + tuple(v.shape[1:])
+            for k, v in self._ds.element_spec.items()}
+
   def input_shapes(self) -> tuple[dict, dict]:
     """Shapes (batch 1) and dtypes of the model inputs, for initialisation."""
     spec = self._ds.element_spec
@@ -777,9 +782,18 @@ def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_c
         params_shardings=specs.shardings.params, output_dir=model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer,
-               writer=writer, progress=metrics_lib.Progress(end, start), periods=periods,
+               writer=writer, progress=_progress(model, data, start, end), periods=periods,
                evaluator=evaluator, infer_evaluator=infer_evaluator, actions=actions,
                train_task=train_task, total_steps=end)
+
+
+def _progress(model: Any, data: TrainData, start: int, end: int) -> metrics_lib.Progress:
+  """Throughput tracking, with model FLOP/s (and MFU where the devices'
+  peak is known) when the model can count its FLOPs."""
+  count = getattr(model, "train_flops_per_step", None)
+  flops = count(data.global_shapes()) if count else None
+  return metrics_lib.Progress(end, start, flops_per_step=flops,
+                              peak_flops_per_second=metrics_lib.peak_flops_per_second())
 
 
 def _close(loop: _Loop) -> None:

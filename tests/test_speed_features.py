@@ -357,3 +357,26 @@ def test_the_loop_waits_for_the_device_only_at_stats_periods(tmp_path, monkeypat
   assert end == 9 and stats_steps == [3, 3, 3]
   assert "stats" in syncs  # the counting works
   assert "loop" not in syncs, "the hot loop waited for the device between stats periods"
+
+
+def test_progress_line_shows_model_flops_and_mfu_where_the_peak_is_known():
+  progress = metrics.Progress(10, 0, flops_per_step=2e12, peak_flops_per_second=8e12)
+  scalars = progress.timing(4, {"num_tokens": 100.0, "num_examples": 2.0})
+  rate = scalars["timing/steps_per_second"]
+  np.testing.assert_allclose(scalars["timing/model_flops_per_second"], 2e12 * rate)
+  np.testing.assert_allclose(scalars["timing/mfu"], 2e12 * rate / 8e12)
+  line = progress.line(4, {**scalars, "timing/steps_per_second": 1.0,
+                           "timing/model_flops_per_second": 2e12, "timing/mfu": 0.25})
+  assert "2 TFLOP/s  MFU 25.0%" in line
+  without = metrics.Progress(10, 0).timing(4, {})
+  assert "timing/mfu" not in without and "timing/model_flops_per_second" not in without
+
+
+def test_peak_flops_by_device_kind():
+  class Device:
+    def __init__(self, kind):
+      self.device_kind = kind
+
+  assert metrics.peak_flops_per_second([Device("NVIDIA H100 80GB HBM3")] * 8) == 8 * 989e12
+  assert metrics.peak_flops_per_second([Device("NVIDIA H100 PCIe")]) == 756e12
+  assert metrics.peak_flops_per_second([Device("cpu")]) is None
