@@ -349,12 +349,25 @@ def _train_entry() -> Callable[..., object]:
   return functools.partial(configured, summarize_config_fn=write_operative_config)
 
 
+# Warnings SeqIO and Orbax give on every normal run (unused pretokenized
+# features, generous eval lengths, read-only checkpoint managers); errors
+# from them still show.
+_NOISY_LIBRARIES = (f"{os.sep}seqio{os.sep}", f"{os.sep}orbax{os.sep}")
+
+
+def _drop_library_warnings(record) -> bool:
+  import logging as std_logging
+  return record.levelno >= std_logging.ERROR or not any(
+      part in record.pathname for part in _NOISY_LIBRARIES)
+
+
 def _quiet_libraries(argv: Sequence[str]) -> None:
   # Orbax and TensorFlow log every file they touch at INFO; the progress lines
   # are what a person reads. --verbosity=0 brings the library logs back.
   if not any(a.startswith(("--verbosity", "-v=")) for a in argv):
     from absl import logging
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_handler().addFilter(_drop_library_warnings)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

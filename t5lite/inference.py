@@ -209,8 +209,7 @@ class InferenceEvaluator:
     for task, scalars in results.items():
       self._writer(task).write_scalars(step, scalars)
       self._writer(task).flush()
-      metrics_lib.log_line(f"infer-eval {task} step {step}: " + "  ".join(
-          f"{k} {v:.4f}" for k, v in sorted(scalars.items())))
+    metrics_lib.log_line(metrics_lib.format_table(f"inference eval at step {step}", results))
     return results
 
   def _writer(self, task: str) -> metrics_lib.SummaryWriter:

@@ -156,3 +156,31 @@ def log_line(text: str) -> None:
     print(text, flush=True)
   else:
     logging.info("%s", text)
+
+
+def format_table(title: str, rows: Mapping[str, Mapping[str, float]],
+                 skip: Sequence[str] = ("num_tokens", "num_examples")) -> str:
+  """Metrics of several tasks as a small aligned text table.
+
+  Args:
+    title: first line, e.g. "train-eval at step 1000".
+    rows: task -> metric -> value.
+    skip: metric names left out (counts rather than results).
+
+  Returns:
+    The title, a header of metric names and one row per task.
+  """
+  columns = sorted({k for metrics in rows.values() for k in metrics if k not in skip})
+  width = max([len("task")] + [len(task) for task in rows])
+  cells = {c: max(len(c), 10) for c in columns}
+  lines = [title, "  " + "task".ljust(width) + "".join(f"  {c:>{cells[c]}}" for c in columns)]
+  for task, metrics in rows.items():
+    values = "".join(f"  {_cell(metrics.get(c), cells[c])}" for c in columns)
+    lines.append("  " + task.ljust(width) + values)
+  return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int) -> str:
+  if value is None:
+    return "-".rjust(width)
+  return f"{value:>{width}.4f}" if abs(value) < 1e5 else f"{value:>{width}.4g}"

@@ -510,10 +510,8 @@ class TrainEvaluator:
       results = metrics_lib.mean_metrics([self._step_fn(params, b) for b in batches])
       self._writers[name].write_scalars(step, results)
       self._writers[name].flush()
-      metrics_lib.log_line(
-          f"train-eval {name} step {step}: "
-          + "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()) if k != "num_tokens"))
       out[name] = results
+    metrics_lib.log_line(metrics_lib.format_table(f"train-eval at step {step}", out))
     return out
 
   def close(self) -> None:
@@ -834,7 +832,10 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
                      train_task=train_cfg.mixture_or_task_name, specs=specs,
                      checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
                      eval_steps=eval_steps)
-  metrics_lib.log_line(f"Training steps {start} -> {end} on mesh {dict(partitioner.mesh.shape)}")
+  metrics_lib.log_line(_banner(model=model, specs=specs, partitioner=partitioner,
+                               train_cfg=train_cfg, periods=periods, start=start, end=end,
+                               checkpointer=checkpointer))
+  began = time.perf_counter()
   if periods.gc:
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
@@ -849,7 +850,46 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
   finally:
     _close(loop)
     gc.enable()
-  metrics_lib.log_line(f"Finished at step {end}; checkpoints in {checkpointer.directory}, "
-                       f"summaries in {os.path.join(model_dir, 'train')}")
+  metrics_lib.log_line(_summary(model_dir=model_dir, checkpointer=checkpointer, start=start,
+                                end=end, seconds=time.perf_counter() - began))
   return end, state
+
+
+def _count(tree: Any) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _banner(*, model, specs, partitioner, train_cfg, periods, start, end, checkpointer) -> str:
+  """What is about to run: devices, mesh, model size, data, schedule."""
+  devices = jax.devices()
+  mesh = " x ".join(f"{k} {v}" for k, v in partitioner.mesh.shape.items() if v > 1) or "1 device"
+  params = _count(specs.abstract.params)
+  layout = partitioner.get_data_layout(train_cfg.batch_size)
+  lengths = ", ".join(f"{k} {v}" for k, v in train_cfg.task_feature_lengths.items())
+  save = (f"checkpoints every {periods.checkpoint} steps and at the end"
+          if periods.checkpoint else "no checkpoints")
+  evals = f"evaluation every {periods.eval} steps" if periods.eval else "no evaluation"
+  return "\n".join([
+      f"t5lite: training {type(model.module).__name__} ({params / 1e6:.2f}M parameters, "
+      f"{_count(specs.abstract.opt_state) / 1e6:.2f}M optimizer values)",
+      f"  devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
+      f"process(es); mesh: {mesh}",
+      f"  data: {train_cfg.mixture_or_task_name} ({train_cfg.split}), global batch "
+      f"{train_cfg.batch_size} ({train_cfg.batch_size // layout.num_shards} per host), "
+      f"lengths {lengths}",
+      f"  steps {start} -> {end}; {save} into {checkpointer.directory}; {evals}"])
+
+
+def _summary(*, model_dir, checkpointer, start, end, seconds) -> str:
+  """Where everything went, once the run is over."""
+  ran = end - start
+  rate = f", {ran / seconds:.2f} steps/s" if ran and seconds > 0 else ""
+  written = [d for d in ("train", "training_eval", inference.INFERENCE_EVAL_DIR)
+             if os.path.isdir(os.path.join(model_dir, d))]
+  steps = ckpt_lib.list_steps(checkpointer.directory)[1]
+  return "\n".join([
+      f"Finished at step {end}: {ran} steps in {metrics_lib.format_duration(seconds)}{rate}.",
+      f"  checkpoints: {checkpointer.directory} (steps {steps})",
+      f"  summaries:   {', '.join(os.path.join(model_dir, d) for d in written)}",
+      f"  view with:   tensorboard --logdir {model_dir}"])
 

@@ -188,7 +188,7 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
                         "--gin_file=gin/partitioning/fsdp_tp.gin", f"--gin.MODEL_DIR='{model_dir}'"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
-  assert "'fsdp': 4" in out.stdout and "'model': 2" in out.stdout
+  assert "mesh: fsdp 4 x model 2" in out.stdout
   info = (model_dir / "model-info.txt").read_text()
   wi = next(l for l in info.splitlines() if "encoder/layers_0/mlp/wi_0/kernel" in l)
   assert "logical ('embed', 'mlp') partition ('fsdp', 'model')" in wi

@@ -34,7 +34,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path)
                    "--gin.EVAL_PERIOD=50000"], cwd=str(tmp_path))
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"Restoring step {saved[0]}" in again.stdout
-  assert f"Training steps {saved[0]} -> {target}" in again.stdout
+  assert f"steps {saved[0]} -> {target};" in again.stdout
 
 
 def test_nan_loss_stops_without_overwriting_good_checkpoints(tmp_path):
@@ -101,4 +101,4 @@ def test_half_written_checkpoint_is_never_restored(tmp_path):
   out = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-3000:]
   assert "ignoring unfinished checkpoint(s) at step(s) [6]" in out.stdout
-  assert "Restoring step 2" in out.stdout and "Training steps 2 -> 4" in out.stdout
+  assert "Restoring step 2" in out.stdout and "steps 2 -> 4;" in out.stdout
