@@ -66,7 +66,9 @@ _PREEMPTION = threading.Event()
 def request_preemption() -> None:
   """Asks the running loop to checkpoint after the current step and stop.
 
-  SIGTERM calls this; so can a cloud preemption notice watcher.
+  SIGTERM calls this; so can a cloud preemption notice watcher. In a
+  multi-process job the processes agree at the next stats period, and all
+  of them checkpoint that step, whichever of them was asked.
   """
   _PREEMPTION.set()
 
@@ -612,8 +614,10 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
         state, step_metrics = loop.step_fn(state, next(loop.data))
         step += 1
         pending.append(step_metrics)
-        if _PREEMPTION.is_set():
+        if jax.process_count() == 1 and _PREEMPTION.is_set():
           _preempt(loop, step, state, pending)
+      if jax.process_count() > 1 and _any_process_preempted():
+        _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
       if stop:
         return _stop(loop, step, state, stop)
@@ -634,6 +638,15 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
     loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
   return state, step, stop
+
+
+def _any_process_preempted() -> bool:
+  """Whether any process got SIGTERM: every process must checkpoint the same
+  step, so a multi-process job agrees at each stats period (one small
+  all-gather) instead of acting on its own signal mid-period."""
+  from jax.experimental import multihost_utils
+  flags = multihost_utils.process_allgather(np.asarray([_PREEMPTION.is_set()], np.int32))
+  return bool(np.any(flags))
 
 
 def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:

@@ -272,6 +272,26 @@ def test_killed_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
+  import signal
+
+  model_dir = tmp_path / "run"
+  job = start_job(lambda i: [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'",
+                             "--gin.TRAIN_STEPS=100000", "--gin.CHECKPOINT_PERIOD=50000",
+                             "--gin.STATS_PERIOD=2"],
+                  cwd=str(tmp_path), log_dir=str(tmp_path / "logs"))
+  job.wait_for_output(0, "step 4/", timeout=300)
+  job.procs[1].send_signal(signal.SIGTERM)  # only process 1 is told
+  results = job.wait(timeout=120)
+  assert [r.returncode for r in results] == [143, 143], job.describe()
+  steps = [int(s) for s in os.listdir(model_dir / "checkpoints") if s.isdigit()]
+  assert len(steps) == 1 and steps[0] % 2 == 0 and steps[0] >= 4, steps
+  assert f"Preempted at step {steps[0]}" in results[0].stderr, results[0].stderr[-2000:]
+  saved = os.listdir(model_dir / "checkpoints" / str(steps[0]) / "dataset")
+  assert sorted(n for n in saved if n.startswith("process_")) == ["process_0", "process_1"]
+
+
+@pytest.mark.slow
 def test_peer_that_never_arrives_stops_process_0_within_the_initialization_timeout(tmp_path):
   port = free_port()
   job = start_job(lambda i: [*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'"], cwd=str(tmp_path),
