@@ -300,6 +300,9 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
   """Common start-up, then the gin-configured entry point with user errors as one line."""
   from t5lite import distributed
   try:
+    if FLAGS.dry_run and entry is not _train_entry:
+      raise ValueError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
+                       "the flag, or check the training config with t5lite-train --dry_run.")
     distributed.validate(_distributed_config())
     _hide_gpus_from_tensorflow()
     distributed.initialize(_distributed_config())
@@ -385,12 +388,6 @@ def _main(entry: Callable[[], Callable[..., object]]) -> None:
   app.run(main, argv=argv)
 
 
-def _refuse_dry_run(script: str) -> None:
-  if FLAGS.dry_run:
-    raise ValueError(f"--dry_run is a t5lite-train flag; {script} has no dry run. Drop the "
-                     "flag, or check the training config with t5lite-train --dry_run.")
-
-
 def train_main() -> None:
   """`t5lite-train`."""
   _main(_train_entry)
@@ -401,7 +398,6 @@ def eval_main() -> None:
   def entry():
     import gin
     from t5lite import evaluate
-    _refuse_dry_run("t5lite-eval")
     return gin.get_configurable(evaluate.evaluate)
   _main(entry)
 
@@ -411,7 +407,6 @@ def infer_main() -> None:
   def entry():
     import gin
     from t5lite import evaluate
-    _refuse_dry_run("t5lite-infer")
     return gin.get_configurable(evaluate.infer)
   _main(entry)
 

@@ -1,0 +1,242 @@
+"""`t5lite-train --dry_run`: the real console script on the tiny and the headline
+config, its schedule against the loop's rules, and its memory estimate."""
+
+import math
+import os
+import re
+import subprocess
+
+import gin
+import jax
+import numpy as np
+import pytest
+from test_cli import BIN, JAX_CACHE, TINY
+
+from t5lite import checkpoints as ckpt_lib
+from t5lite import cli
+from t5lite import dry_run
+from t5lite import train as train_lib
+
+MOE = ["--gin_file=gin/pretrain_moe.gin"]
+
+
+def run_cli(args, cwd, script="t5lite-train", env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE,
+             **(env or {}))
+  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def clean_gin():
+  gin.config.clear_config(clear_constants=True)
+  yield
+  gin.config.clear_config(clear_constants=True)
+
+
+def train_arguments(args):
+  """What gin hands train() for these command-line gin flags, parsed in-process."""
+  files = [a.split("=", 1)[1] for a in args if a.startswith("--gin_file=")]
+  bindings = [a[len("--gin."):].replace("=", " = ", 1) for a in args if a.startswith("--gin.")]
+  cli.parse_gin(files, bindings, cli.gin_search_paths([]))
+  return gin.get_bindings(train_lib.train)
+
+
+def expected_counts(args):
+  """Parameter counts from jax.eval_shape of the model's own initialisation."""
+  kwargs = train_arguments(args)
+  model, cfg = kwargs["model"], kwargs["train_dataset_cfg"]
+  shapes, types = train_lib.model_input_shapes(model, cfg)
+  params = jax.eval_shape(lambda: model.get_initial_variables(
+      jax.random.key(0), shapes, types))["params"]
+  counts = {name: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(sub))
+            for name, sub in params.items()}
+  return sum(counts.values()), counts, len(jax.tree.leaves(params))
+
+
+def printed_counts(stdout):
+  total = int(re.search(r"^Parameters: ([\d,]+) total$", stdout, re.M).group(1).replace(",", ""))
+  block = stdout.split("Parameters:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+  modules = dict(re.fullmatch(r"  (\S+)\s+([\d,]+)", line).groups() for line in block
+                 if not line.strip().startswith("of which"))
+  return total, {k: int(v.replace(",", "")) for k, v in modules.items()}
+
+
+def section(stdout, title):
+  return stdout.split(f"\n{title}:\n", 1)[1].split("\n\n", 1)[0]
+
+
+def schedule_line(stdout, key):
+  return re.search(rf"^  {key}\s+(.*)$", section(stdout, "Schedule"), re.M).group(1)
+
+
+def table_rows(stdout):
+  """(name, shape, mesh axes) of each row of the partitioning table."""
+  lines = section(stdout, "Partitioning").splitlines()[1:]
+  rows = []
+  for line in lines:
+    name, shape, _, mesh = re.fullmatch(r"  (\S+)\s+(\([\d, ]*\))\s+(\(.*?\))\s+(\(.*?\))",
+                                        line).groups()
+    rows.append((name, tuple(int(d) for d in re.findall(r"\d+", shape)),
+                 [a.split("+") for a in mesh.strip("()").split(", ")]))
+  return rows
+
+
+def test_dry_run_tiny_writes_nothing_and_prints_the_run(tmp_path, clean_gin):
+  before = sorted(os.listdir(tmp_path))
+  result = run_cli([*TINY, "--dry_run", "--gin.MODEL_DIR='runs/new/tiny'"], cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == before  # MODEL_DIR not even created
+  out = result.stdout
+  total, modules = printed_counts(out)
+  assert (total, modules, len(table_rows(out))) == expected_counts([*TINY, "--gin.MODEL_DIR='x'"])
+  assert schedule_line(out, "steps").startswith("0 -> 4 (fresh start); 2 steps per epoch")
+  assert schedule_line(out, "checkpoints") == "2, 4; kept at the end: 2, 4"  # keep 3
+  assert schedule_line(out, "evaluation") == "2, 4 (train-eval)"
+  assert "global 4 = 4 per host x 1 host(s); 4 per device" in out
+
+
+def test_dry_run_pretrain_moe(tmp_path, clean_gin):
+  result = run_cli([*MOE, "--dry_run", "--gin.MODEL_DIR='moe'"], cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "moe")
+  out = result.stdout
+  total, modules = printed_counts(out)
+  rows = table_rows(out)
+  assert (total, modules, len(rows)) == expected_counts([*MOE, "--gin.MODEL_DIR='x'"])
+  assert sum(math.prod(shape) for _, shape, _ in rows) == total
+  experts = [r for r in rows if r[0].endswith(("moe/wi_0", "moe/wi_1", "moe/wo"))]
+  assert len(experts) == 12 and all(mesh[0] == ["expert"] for _, _, mesh in experts)
+  expert_total = sum(math.prod(shape) for _, shape, _ in experts)
+  # top-2 of 8 experts: a token passes through a quarter of the expert weights.
+  assert f"of which experts {expert_total:,}; active per token " \
+         f"{total - expert_total + expert_total // 4:,}" in out
+  assert f"parameters    {dry_run.format_bytes(4 * total):>10}" in out  # float32, one device
+  assert schedule_line(out, "checkpoints") == ("200, 400, 600, 800, 1000; "
+                                               "kept at the end: 600, 800, 1000")
+  assert schedule_line(out, "evaluation") == "200, 400, 600, 800, 1000 (train-eval)"
+  assert schedule_line(out, "ends at") == "step 1000"
+  assert "t5lite_span_corruption (train, packed, shuffled), lengths inputs 128, targets 32" in out
+
+
+def test_dry_run_fsdp_over_8_devices_divides_the_parameters(tmp_path):
+  args = [*TINY, "--gin_file=gin/partitioning/fsdp.gin", "--gin.BATCH_SIZE=16", "--dry_run",
+          "--gin.MODEL_DIR='run'"]
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  result = run_cli(args, cwd=str(tmp_path), env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "Mesh: data=1 fsdp=8 expert=1 seq=1 model=1 over 8 x cpu" in out
+  assert "global 16 = 16 per host x 1 host(s); 2 per device x 8 data-parallel" in out
+  sizes = {"data": 1, "fsdp": 8, "expert": 1, "seq": 1, "model": 1}
+  per_device = 0
+  for _, shape, mesh in table_rows(out):
+    parts = [math.prod(sizes[a] for a in axes if a != "-") for axes in mesh]
+    per_device += math.prod(d // p for d, p in zip(shape, parts))
+  assert any(mesh[-1] == ["fsdp"] or mesh[0] == ["fsdp"] for _, _, mesh in table_rows(out))
+  assert f"parameters    {dry_run.format_bytes(4 * per_device):>10}" in out
+
+
+def test_dry_run_stops_on_what_training_stops_on(tmp_path):
+  bad = [*TINY, "--gin.EVAL_PERIOD=3", "--gin.MODEL_DIR='run'"]
+  dry = run_cli([*bad, "--dry_run"], cwd=str(tmp_path))
+  real = run_cli(bad, cwd=str(tmp_path))
+  assert dry.returncode == real.returncode == 2
+  line = dry.stderr.strip().splitlines()[-1]
+  assert line == real.stderr.strip().splitlines()[-1]
+  assert "eval_period=3 is not a multiple of checkpoint_period=2" in line
+  assert not os.path.exists(tmp_path / "run")
+  refused = run_cli([*TINY, "--dry_run"], cwd=str(tmp_path), script="t5lite-eval")
+  assert refused.returncode == 2
+  assert "--dry_run is a t5lite-train flag" in refused.stderr.strip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------
+# The schedule, in-process, against the loop's rules
+
+
+def _schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra=(),
+              relative=None, at_start=False, restore=None):
+  save = ckpt_lib.SaveCheckpointConfig(period=ckpt, keep=keep, keep_every_n_steps=every,
+                                       checkpoint_steps=extra)
+  periods = train_lib.compute_periods(total_steps=total, eval_period=eval_,
+                                      checkpoint_period=ckpt, gc_period=0, stats_period=None,
+                                      checkpoint_steps=extra)
+  return dry_run.schedule(periods=periods, model_dir=str(model_dir),
+                          checkpoint_cfg=ckpt_lib.CheckpointConfig(save=save, restore=restore),
+                          total_steps=total, relative_steps=relative, evaluators="train-eval",
+                          eval_at_start=at_start)
+
+
+def test_schedule_fresh_run_with_extra_steps_and_keep_rules(tmp_path):
+  s = _schedule(tmp_path / "none", total=10, ckpt=4, eval_=4, keep=2, every=8, extra=(3,),
+                at_start=True)
+  assert (s.start, s.end, s.epoch) == (0, 10, 4)
+  assert s.checkpoints == (3, 4, 8, 10)   # period, the extra step, the last step
+  assert s.evaluations == (0, 4, 8, 10)   # before training, period, last step
+  assert s.kept == (8, 10)                # newest 2; 8 is also a keep_every_n multiple
+  assert not os.path.exists(tmp_path / "none")
+
+
+def test_schedule_resumes_from_model_dir_then_restore_path(tmp_path):
+  for step in (2, 4):
+    os.makedirs(tmp_path / "run" / "checkpoints" / str(step))
+  s = _schedule(tmp_path / "run", total=10, keep=3, relative=3)
+  assert (s.start, s.end) == (4, 7) and "resumes from checkpoint 4" in s.start_from
+  assert s.checkpoints == (6, 7) and s.kept == (4, 6, 7)
+  params_only = ckpt_lib.RestoreCheckpointConfig(path=str(tmp_path / "run" / "checkpoints" / "4"),
+                                                 mode="specific", params_only=True)
+  s = _schedule(tmp_path / "fresh", total=4, restore=params_only)
+  assert s.start == 0 and s.start_from.startswith("parameters from")
+  full = ckpt_lib.RestoreCheckpointConfig(path=str(tmp_path / "run"), mode="latest")
+  s = _schedule(tmp_path / "fresh", total=6, restore=full)
+  assert (s.start, s.checkpoints) == (4, (6,))
+  assert dry_run.format_steps(list(range(200, 100001, 200))) == (
+      "200, 400, 600, ..., 99800, 100000 (500 steps)")
+
+
+# ---------------------------------------------------------------------------
+# The activation estimate
+
+
+def _estimate(args, examples):
+  kwargs = train_arguments(args)
+  model, partitioner = kwargs["model"], kwargs["partitioner"]
+  shapes, types = dry_run.model_input_shapes(model, kwargs["train_dataset_cfg"])
+  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  return dry_run.activation_bytes(model, shapes, types, specs.abstract.params, examples), (
+      kwargs, shapes, types, specs)
+
+
+def test_input_shapes_match_the_training_pipeline(clean_gin):
+  kwargs = train_arguments([*TINY, "--gin.MODEL_DIR='x'"])
+  cfg = kwargs["train_dataset_cfg"]
+  assert dry_run.model_input_shapes(kwargs["model"], cfg) == train_lib.model_input_shapes(
+      kwargs["model"], cfg)
+
+
+def test_activation_estimate_follows_remat_and_batch(clean_gin):
+  base = [*TINY, "--gin.MODEL_DIR='x'"]
+  by_batch = []
+  for examples in (2, 4, 6):
+    gin.config.clear_config(clear_constants=True)
+    by_batch.append(_estimate(base, examples)[0])
+  # Linear in the batch; the relative-position one-hots do not depend on it.
+  assert by_batch[2] - by_batch[1] == by_batch[1] - by_batch[0] > 0
+  gin.config.clear_config(clear_constants=True)
+  full, _ = _estimate([*base, "--gin.transformer.TransformerConfig.remat_policy='full'"], 4)
+  assert full < by_batch[1] / 2  # full remat keeps little more than the layers' inputs
+
+
+def test_activation_estimate_is_near_the_compiled_step(clean_gin):
+  """Within a factor of 2 of the temporary memory XLA allocates for the step."""
+  args = ["--gin_file=gin/pretrain_dense.gin", "--gin.MODEL_DIR='x'", "--gin.BATCH_SIZE=4",
+          "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}"]
+  estimate, (kwargs, shapes, types, specs) = _estimate(args, 4)
+  partitioner = kwargs["partitioner"]
+  batch = {k: jax.ShapeDtypeStruct((4,) + s[1:], types[k]) for k, s in shapes.items()}
+  trainer = kwargs["trainer_cls"](model=kwargs["model"], partitioner=partitioner)
+  step = trainer.compile_train_step(specs.shardings,
+                                    {k: partitioner.batch_sharding(2) for k in batch})
+  temp = step.lower(specs.abstract, batch).compile().memory_analysis().temp_size_in_bytes
+  assert 0.5 < estimate / temp < 2.0, (estimate, temp)
