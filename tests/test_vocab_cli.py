@@ -1,0 +1,108 @@
+"""`t5lite-vocab` through the real console script: a vocabulary that seqio
+loads, one-line errors, and a training run on it with the printed flags."""
+
+import gzip
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+import seqio
+from test_cli import BIN, JAX_CACHE, TINY
+
+from t5lite.data import build_corpus
+
+SENTENCE = "The quick brown fox jumps over the lazy dog, twice."
+
+
+def run(script, args, cwd):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
+  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def write_text(directory, lines=3000):
+  """Two plain text files cut from the embedded corpus."""
+  with gzip.open(build_corpus.corpus_file("train"), "rt", encoding="utf-8") as f:
+    text = [next(f) for _ in range(lines)]
+  os.makedirs(directory, exist_ok=True)
+  for i, part in enumerate((text[: lines // 2], text[lines // 2:])):
+    with open(os.path.join(directory, f"part{i}.txt"), "w", encoding="utf-8") as f:
+      f.writelines(part)
+
+
+def train_vocab(tmp_path, *extra):
+  write_text(tmp_path / "text")
+  return run("t5lite-vocab", ["--input=text/part*.txt", "--model_prefix=vocab/my",
+                              "--vocab_size=300", *extra], cwd=str(tmp_path))
+
+
+def printed_flags(stdout):
+  return shlex.split(stdout.strip().splitlines()[-1])
+
+
+def test_vocab_round_trips_and_prints_gin_flags(tmp_path):
+  result = train_vocab(tmp_path, "--model_type=bpe", "--max_sentences=2000")
+  assert result.returncode == 0, result.stderr[-3000:]
+  path = tmp_path / "vocab" / "my.model"
+  assert f"Wrote {path}: 300 bpe pieces from 2 file(s)." in result.stdout
+  flags = printed_flags(result.stdout)
+  assert flags == ["--gin.VOCABULARY=@vocabularies.sentencepiece_vocabulary()",
+                   f"--gin.vocabularies.sentencepiece_vocabulary.model_path='{path}'",
+                   "--gin.VOCAB_SIZE=512"]  # 300 pieces + 100 extra ids, padded to 128s
+  vocab = seqio.SentencePieceVocabulary(str(path), extra_ids=100)
+  assert vocab.vocab_size == 400
+  ids = vocab.encode(SENTENCE)
+  assert vocab.decode(ids) == SENTENCE and len(ids) < len(SENTENCE)
+  assert (vocab.pad_id, vocab.eos_id, vocab.unk_id) == (0, 1, 2)  # T5's layout
+
+
+def test_vocab_bad_input_is_one_line(tmp_path):
+  missing = run("t5lite-vocab", ["--input=nope/*.txt", "--model_prefix=v", "--vocab_size=300"],
+                cwd=str(tmp_path))
+  assert missing.returncode == 2
+  assert re.fullmatch(r"t5lite-vocab: ValueError: --input 'nope/\*\.txt' matches no file;.*",
+                      missing.stderr.strip().splitlines()[-1])
+  (tmp_path / "small.txt").write_text("a few words\nand a few more\n")
+  too_big = run("t5lite-vocab", ["--input=small.txt", "--model_prefix=v", "--vocab_size=300"],
+                cwd=str(tmp_path))
+  assert too_big.returncode == 2
+  line = too_big.stderr.strip().splitlines()[-1]
+  assert "Vocabulary size too high (300)" in line and "Use a smaller vocab_size" in line
+  assert not (tmp_path / "v.model").exists()
+
+
+TASK_MODULE = '''
+import seqio
+from t5lite.data import preprocessors, vocabularies
+
+vocab = vocabularies.sentencepiece_vocabulary("vocab/my.model")
+seqio.TaskRegistry.remove("my_text")
+seqio.TaskRegistry.add(
+    "my_text",
+    source=seqio.TextLineDataSource({"train": "text/part0.txt", "validation": "text/part1.txt"}),
+    preprocessors=[preprocessors.line_to_targets, seqio.preprocessors.tokenize,
+                   preprocessors.span_corruption, seqio.preprocessors.append_eos_after_trim],
+    output_features={"inputs": seqio.Feature(vocab), "targets": seqio.Feature(vocab)},
+    metric_fns=[])
+'''
+
+
+@pytest.mark.slow
+def test_training_with_the_printed_flags(tmp_path):
+  result = train_vocab(tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  (tmp_path / "my_tasks.py").write_text(TASK_MODULE)
+  args = [*TINY, *printed_flags(result.stdout), "--gin.MODEL_DIR='run'",
+          "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'", "--gin.MIXTURE_OR_TASK_NAME='my_text'",
+          "--gin.TRAIN_STEPS=2"]
+  trained = run("t5lite-train", args, cwd=str(tmp_path))
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+  info = (tmp_path / "run" / "model-info.txt").read_text()
+  assert re.search(r"token_embedder/embedding .* shape \(512, 8\)", info)
+  config = " ".join((tmp_path / "run" / "config.gin").read_text().replace("\\\n", "").split())
+  assert "VOCAB_SIZE = 512" in config
+  assert (f"vocabularies.sentencepiece_vocabulary.model_path = "
+          f"'{tmp_path / 'vocab' / 'my.model'}'") in config
