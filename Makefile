@@ -28,6 +28,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests $(PYTEST_ARGS)
 
+# Training performance report (MFU, framework overhead, input pipeline,
+# compile time, host memory) of gin/benchmarks/{dense,moe}.gin, then the
+# checkpoint and decoding benchmarks; figures in benchmarks/results/ and
+# docs/performance.md. On a GPU machine: benchmarks/gpu.sh.
 bench: install
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/checkpoint_blocking.py

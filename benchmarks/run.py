@@ -87,7 +87,12 @@ def git_commit() -> str:
 
 
 def matmul_peak(sizes: Sequence[int] = (1024, 2048, 4096), repeats: int = 5) -> dict[str, Any]:
-  """Best FLOP/s of jitted square matmuls over sizes and float32/bfloat16."""
+  """Best FLOP/s of jitted square matmuls over sizes and float32/bfloat16.
+
+  An accelerator runs a few calls back to back per timing, so that the
+  launch latency does not count.
+  """
+  calls = 1 if jax.default_backend() == "cpu" else 20
   rates = {}
   for dtype in ("float32", "bfloat16"):
     for n in sizes:
@@ -97,8 +102,10 @@ def matmul_peak(sizes: Sequence[int] = (1024, 2048, 4096), repeats: int = 5) -> 
       best = float("inf")
       for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+        for _ in range(calls):
+          out = matmul(a, a)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / calls)
       rates[f"{dtype} {n}"] = 2 * n**3 / best
   best_name = max(rates, key=rates.get)
   return {"flops_per_second": rates[best_name], "best": best_name, "all": rates}
@@ -110,12 +117,12 @@ def matmul_peak(sizes: Sequence[int] = (1024, 2048, 4096), repeats: int = 5) -> 
 
 def configure(gin_file: str, model_dir: str, steps: int, stats: int,
               extra: Sequence[str] = ()) -> None:
-  """Parses the config with evaluation and one checkpoint only at the end,
-  so that neither lands in a timing window."""
+  """Parses the config without evaluation or checkpoints: they would only
+  run after the last timing window (benchmarks/checkpoint_blocking.py
+  measures what a checkpoint costs the loop)."""
   gin.config.clear_config(clear_constants=True)
   bindings = [f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}", f"STATS_PERIOD = {stats}",
-              f"EVAL_PERIOD = {steps}", f"CHECKPOINT_PERIOD = {steps}", "EVAL_STEPS = 1",
-              *extra]
+              "EVAL_PERIOD = 0", "checkpoints.CheckpointConfig.save = None", *extra]
   cli.parse_gin([gin_file], bindings, cli.gin_search_paths([]))
 
 
@@ -153,27 +160,38 @@ class BareLoop:
                                            {k: v.sharding for k, v in self.batch.items()})
     self.run(2)  # compile and warm up
 
-  def run(self, steps: int) -> float:
-    """Steps/s of `steps` back-to-back steps (dispatch runs ahead, as in train())."""
-    start = time.perf_counter()
+  def run(self, steps: int) -> tuple[float, float]:
+    """Steps/s and process CPU seconds per step of `steps` back-to-back
+    steps (dispatch runs ahead, as in train())."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
       self.state, metrics = self.step(self.state, self.batch)
     jax.block_until_ready((self.state, metrics))
-    return steps / (time.perf_counter() - start)
+    return steps / (time.perf_counter() - wall), (time.process_time() - cpu) / steps
 
 
-def train_loop(steps: int, stats: int, model_dir: str) -> list[float]:
-  """Steps/s of each stats period of a real train() run, the first (which
-  compiles) left out, read from train()'s own timing summaries."""
-  gin.get_configurable(train_lib.train)()
-  from tensorboard.backend.event_processing import event_accumulator
-  from tensorflow.python.framework import tensor_util
-  acc = event_accumulator.EventAccumulator(os.path.join(model_dir, "train"),
-                                           size_guidance={"tensors": 0})
-  acc.Reload()
-  rates = {e.step: float(tensor_util.MakeNdarray(e.tensor_proto))
-           for e in acc.Tensors("timing/steps_per_second")}
-  return [r for s, r in sorted(rates.items()) if s > stats]
+def train_loop(steps: int) -> tuple[list[float], list[float]]:
+  """Steps/s and process CPU seconds per step of each stats period of a real
+  train() run, the first (which compiles) left out.
+
+  The clocks are read where train() reads its own (when it writes stats).
+  """
+  marks = []
+  write_stats = train_lib._write_stats
+
+  def timed_write_stats(loop, step, pending):
+    stop = write_stats(loop, step, pending)
+    marks.append((step, time.perf_counter(), time.process_time()))
+    return stop
+
+  train_lib._write_stats = timed_write_stats
+  try:
+    gin.get_configurable(train_lib.train)()
+  finally:
+    train_lib._write_stats = write_stats
+  periods = list(zip(marks, marks[1:]))
+  return ([(b[0] - a[0]) / (b[1] - a[1]) for a, b in periods],
+          [(b[2] - a[2]) / (b[0] - a[0]) for a, b in periods])
 
 
 def pipeline_rate(batches: int) -> float:
@@ -188,8 +206,10 @@ def pipeline_rate(batches: int) -> float:
   return batches / (time.perf_counter() - start)
 
 
-def compile_seconds(gin_file: str, layers: int, scan: bool) -> float:
-  """Trace, lower and compile time of the train step at a depth (no init)."""
+def compile_seconds(gin_file: str, layers: int, scan: bool) -> tuple[float, float]:
+  """Wall and CPU seconds to trace, lower and compile the train step at a
+  depth (nothing is initialised). CPU time is what other processes on the
+  machine do not change."""
   configure(gin_file, tempfile.gettempdir(), 1, 1, [
       f"transformer.TransformerConfig.num_encoder_layers = {layers}",
       f"transformer.TransformerConfig.num_decoder_layers = {layers}",
@@ -201,27 +221,36 @@ def compile_seconds(gin_file: str, layers: int, scan: bool) -> float:
                                    sharding=partitioner.batch_sharding(len(s)))
            for k, s in shapes.items()}
   step = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in batch.items()})
-  start = time.perf_counter()
+  wall, cpu = time.perf_counter(), time.process_time()
   step.lower(specs.abstract, batch).compile()
-  return time.perf_counter() - start
+  return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def compile_sweep(gin_file: str, depths: Sequence[int]) -> dict[str, dict[int, float]]:
-  """Compile seconds by layout ('unscanned', 'scanned') and depth."""
-  with _NoCache():  # a persistent cache would turn a compile into a lookup
-    return {name: {d: compile_seconds(gin_file, d, scan) for d in depths}
-            for name, scan in (("unscanned", False), ("scanned", True))}
+def compile_sweep(gin_file: str, depths: Sequence[int]) -> dict[str, dict[str, dict[int, float]]]:
+  """Compile seconds by clock ('wall', 'cpu'), layout ('unscanned',
+  'scanned') and depth."""
+  out = {clock: {"unscanned": {}, "scanned": {}} for clock in ("wall", "cpu")}
+  compile_seconds(gin_file, depths[0], False)  # the first compile also warms XLA up
+  for depth in depths:
+    for layout in ("unscanned", "scanned"):
+      wall, cpu = compile_seconds(gin_file, depth, layout == "scanned")
+      out["wall"][layout][depth], out["cpu"][layout][depth] = wall, cpu
+  return out
 
 
-class _NoCache:
-  """Turns JAX's persistent compilation cache off for the duration."""
-
-  def __enter__(self):
-    self._was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-
-  def __exit__(self, *exc):
-    jax.config.update("jax_enable_compilation_cache", self._was)
+def compile_sweep_in_subprocess(gin_file: str, depths: Sequence[int]) -> dict[str, Any]:
+  """`compile_sweep` in a fresh process without JAX's persistent cache,
+  which would turn compiles into lookups (and cannot be turned off once
+  used)."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  command = [sys.executable, os.path.abspath(__file__), "--compile_sweep_only",
+             f"--gin_file={gin_file}", f"--compile_depths={','.join(map(str, depths))}"]
+  out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"compile sweep failed:\n{out.stderr[-2000:]}")
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  return {clock: {layout: {int(d): t for d, t in times.items()} for layout, times in v.items()}
+          for clock, v in result.items()}
 
 
 def peak_host_memory(gin_file: str, steps: int) -> float:
@@ -232,7 +261,7 @@ def peak_host_memory(gin_file: str, steps: int) -> float:
                f"--gin.TRAIN_STEPS={steps}", f"--gin.EVAL_PERIOD={steps}",
                f"--gin.CHECKPOINT_PERIOD={steps}", f"--gin.STATS_PERIOD={steps}",
                "--gin.EVAL_STEPS=1"]
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -250,9 +279,10 @@ def bench_config(gin_file: str, args: argparse.Namespace, peak: float) -> dict[s
     bare = BareLoop()
     blocks = [bare.run(args.bare_steps) for _ in range(2)]
     configure(gin_file, model_dir, args.steps, args.stats)
-    periods = train_loop(args.steps, args.stats, model_dir)
+    periods, period_cpu = train_loop(args.steps)
     blocks += [bare.run(args.bare_steps) for _ in range(2)]
   flops, tokens, params = bare.flops_per_step, bare.tokens_per_batch, bare.num_params
+  blocks, block_cpu = [b[0] for b in blocks], [b[1] for b in blocks]
   bare_rate, train_rate = max(blocks), max(periods)
   del bare
   configure(gin_file, tempfile.gettempdir(), args.steps, args.stats)
@@ -264,10 +294,12 @@ def bench_config(gin_file: str, args: argparse.Namespace, peak: float) -> dict[s
       mfu=flops * bare_rate / peak, train_loop_mfu=flops * train_rate / peak,
       framework_overhead=1 - train_rate / bare_rate,
       framework_overhead_of_medians=1 - statistics.median(periods) / statistics.median(blocks),
+      bare_cpu_seconds_per_step=block_cpu, train_loop_cpu_seconds_per_step=period_cpu,
+      cpu_overhead=min(period_cpu) / min(block_cpu) - 1,
       pipeline_tokens_per_second=pipeline * tokens,
       consumed_tokens_per_second=train_rate * tokens, pipeline_ratio=pipeline / train_rate)
   if args.compile_depths:
-    result["compile_seconds"] = compile_sweep(gin_file, args.compile_depths)
+    result["compile_seconds"] = compile_sweep_in_subprocess(gin_file, args.compile_depths)
   if args.memory_steps:
     result["peak_host_memory_bytes"] = peak_host_memory(gin_file, args.memory_steps)
   result["load_average_end"] = os.getloadavg()
@@ -298,23 +330,31 @@ def report(name: str, r: Mapping[str, Any], peak: Mapping[str, Any]) -> list[str
       f"  (b) framework overhead {100 * r['framework_overhead']:5.1f} %  (train() best "
       f"{max(r['train_loop_steps_per_second']):.3f} steps/s vs bare best "
       f"{max(r['bare_steps_per_second']):.3f}; of medians "
-      f"{100 * r['framework_overhead_of_medians']:.1f} %)   target <= "
+      f"{100 * r['framework_overhead_of_medians']:.1f} %; CPU time per step "
+      f"{100 * r['cpu_overhead']:+.1f} %)   target <= "
       f"{100 * MAX_OVERHEAD:.0f} %: {_verdict(r['framework_overhead'] <= MAX_OVERHEAD)}")
   lines.append(
       f"  (c) input pipeline   {r['pipeline_ratio']:7.1f} x  ({r['pipeline_tokens_per_second']:,.0f}"
       f" tokens/s built vs {r['consumed_tokens_per_second']:,.0f} consumed)   target >= "
       f"{MIN_PIPELINE_RATIO:.0f} x: {_verdict(r['pipeline_ratio'] >= MIN_PIPELINE_RATIO)}")
   if "compile_seconds" in r:
-    for layout, times in r["compile_seconds"].items():
-      text = "  ".join(f"{d}+{d} layers {t:5.1f} s" for d, t in times.items())
-      lines.append(f"  (d) compile {layout:9s} {text}")
-    scanned = list(r["compile_seconds"]["scanned"].values())
-    growth = scanned[-1] / scanned[0]
-    lines.append(f"      scanned compile time grows {growth:.2f}x over the depths: "
-                 f"{'flat' if growth <= 1.25 else 'NOT flat'}")
+    wall, cpu = r["compile_seconds"]["wall"], r["compile_seconds"]["cpu"]
+    for layout in ("unscanned", "scanned"):
+      text = "  ".join(f"{d}+{d} layers {cpu[layout][d]:5.1f} s ({wall[layout][d]:.1f} wall)"
+                       for d in cpu[layout])
+      lines.append(f"  (d) compile {layout:9s} CPU {text}")
+    depths = list(cpu["scanned"])
+    growth = {k: cpu[k][depths[-1]] / cpu[k][depths[0]] for k in cpu}
+    lines.append(f"      compile CPU time from {depths[0]} to {depths[-1]} layers: unscanned x"
+                 f"{growth['unscanned']:.2f}, scanned x{growth['scanned']:.2f}: "
+                 f"{'flat' if growth['scanned'] <= 1.25 else 'NOT flat'} with scan")
+  else:
+    lines.append("  (d) compile            not measured (--compile_depths empty)")
   if "peak_host_memory_bytes" in r:
     lines.append(f"  (e) peak host memory {r['peak_host_memory_bytes'] / 2**30:5.2f} GiB "
                  "(t5lite-train run, resident-set high-water mark)")
+  else:
+    lines.append("  (e) peak host memory   not measured (--memory_steps 0)")
   return lines
 
 
@@ -331,14 +371,28 @@ def main() -> None:
                       default=[2, 4, 8], help="comma-separated depths per stack; empty skips")
   parser.add_argument("--memory_steps", type=int, default=10,
                       help="steps of the t5lite-train run measured for memory; 0 skips")
+  parser.add_argument("--matmul_sizes", type=lambda s: [int(x) for x in s.split(",")],
+                      default=[1024, 2048, 4096], help="square sizes of the peak matmuls")
   parser.add_argument("--output", default=None)
+  parser.add_argument("--compile_sweep_only", action="store_true",
+                      help="print the compile sweep of one --gin_file as JSON and exit")
   args = parser.parse_args()
   os.chdir(ROOT)
+  import tensorflow as tf
+  tf.config.set_visible_devices([], "GPU")  # TensorFlow only feeds data
+  if args.compile_sweep_only:
+    print(json.dumps(compile_sweep(args.gin_file[0], args.compile_depths)))
+    return
+  # train() and the memory run then reuse the bare loop's compiled step
+  # (the compile-time sweep turns the cache off).
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(tempfile.gettempdir(), "t5lite-bench-xla"))
   configs = args.gin_file or list(CONFIGS)
   started = datetime.datetime.now(datetime.timezone.utc)
   info = {"when": started.isoformat(), "commit": git_commit(), "machine": machine(),
           "load_average_start": os.getloadavg(), "args": vars(args)}
-  peak = matmul_peak()
+  peak = matmul_peak(args.matmul_sizes)
   info["matmul_peak"] = peak
   results = {name: bench_config(name, args, peak["flops_per_second"]) for name in configs}
   info.update(results=results, load_average_end=os.getloadavg(),
