@@ -153,6 +153,7 @@ _UNRESOLVED_SELECTOR = re.compile(
 _NO_CONFIGURABLE = re.compile(r"No configurable matching '([\w.]+)'\.")
 _NOT_IMPORTED = re.compile(r"'(\w+)' was not provided by an import statement\.")
 _FILE_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
+_UNSET_MACRO = re.compile(r"No bindings specified for '(\w+)/gin\.macro'")
 
 
 def _is_gin_selector_error(message: str) -> bool:
@@ -180,6 +181,10 @@ def _gin_name_hint(message: str) -> str | None:
       hint = _unknown_configurable_hint(match.group(1), match.group(1).split(".")[-1])
     elif match := _NOT_IMPORTED.fullmatch(first):
       hint = _unknown_alias_hint(match.group(1), message)
+    elif match := _UNSET_MACRO.match(first):
+      return (f"Macro {match.group(1)} is used but never set; pass --gin.{match.group(1)}=... "
+              "or include a gin file that sets it first (e.g. the training headline before "
+              "gin/runs/eval.gin).")
     else:
       return None
   except Exception:  # noqa: BLE001 - a hint must never hide the real error

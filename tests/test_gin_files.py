@@ -81,3 +81,29 @@ def test_command_line_binding_can_reference_functions_no_file_used():
                  "MIXTURE_OR_TASK_NAME = 't5lite_span_corruption_spm'"], cli.gin_search_paths([]))
   vocab = gin.query_parameter("%VOCABULARY").scoped_configurable_fn()
   assert type(vocab).__name__ == "SentencePieceVocabulary" and vocab.vocab_size == 2100
+
+
+def test_eval_and_infer_run_files_keep_the_training_headlines_task():
+  """`<headline> + gin/runs/eval.gin` (as the docs run it) evaluates the headline's task."""
+  for run_file, output in (("gin/runs/eval.gin", "EVAL_OUTPUT_DIR"),
+                           ("gin/runs/infer.gin", "INFER_OUTPUT_DIR")):
+    gin.config.clear_config(clear_constants=True)
+    cli.parse_gin(["gin/finetune_dense.gin", run_file],
+                  ["CHECKPOINT_PATH = '/tmp/x'", f"{output} = '/tmp/x'"],
+                  cli.gin_search_paths([]))
+    assert gin.query_parameter("%TASK_FEATURE_LENGTHS") == {"inputs": 32, "targets": 24}
+    assert gin.query_parameter("%BATCH_SIZE") == 64
+  assert gin.query_parameter("%MIXTURE_OR_TASK_NAME") is None  # infer: INPUT_FILE by default
+  gin.config.clear_config(clear_constants=True)
+  cli.parse_gin(["gin/finetune_dense.gin", "gin/runs/eval.gin"],
+                ["CHECKPOINT_PATH = '/tmp/x'", "EVAL_OUTPUT_DIR = '/tmp/x'"],
+                cli.gin_search_paths([]))
+  assert gin.query_parameter("%MIXTURE_OR_TASK_NAME") == "t5lite_sort"
+  # With a model file alone the task must be given, and the error says how.
+  gin.config.clear_config(clear_constants=True)
+  with pytest.raises(ValueError, match=r"^Macro MIXTURE_OR_TASK_NAME is used but never set; "
+                                       r"pass --gin\.MIXTURE_OR_TASK_NAME="):
+    cli.parse_gin(["gin/models/t5_tiny.gin", "gin/runs/eval.gin"],
+                  ["CHECKPOINT_PATH = '/tmp/x'", "EVAL_OUTPUT_DIR = '/tmp/x'",
+                   "TASK_FEATURE_LENGTHS = {'inputs': 8, 'targets': 8}", "BATCH_SIZE = 2"],
+                  cli.gin_search_paths([]))
