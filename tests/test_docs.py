@@ -345,8 +345,14 @@ def test_every_command_has_a_ci_form(tmp_path):
       block_scripts(block, box)  # raises for a command without a rule
 
 
+# Documents whose commands another test runs in full, and which one.
+RUN_ELSEWHERE = {
+    "docs/quickstart.md": "tests/test_newcomer.py runs it, in order, in a fresh clone",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", [d for d in DOCS if d not in RUN_ELSEWHERE])
 def test_document_commands_run(doc, tmp_path):
   box = Sandbox(tmp_path, port=free_port())
   print("\n".join(run_document(doc, box)))  # seconds per command, with -s
