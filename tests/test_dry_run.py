@@ -82,6 +82,7 @@ def table_rows(stdout):
   return rows
 
 
+@pytest.mark.slow  # real processes
 def test_dry_run_tiny_writes_nothing_and_prints_the_run(tmp_path, clean_gin):
   before = sorted(os.listdir(tmp_path))
   result = run_cli([*TINY, "--dry_run", "--gin.MODEL_DIR='runs/new/tiny'"], cwd=str(tmp_path))
@@ -96,6 +97,7 @@ def test_dry_run_tiny_writes_nothing_and_prints_the_run(tmp_path, clean_gin):
   assert "global 4 = 4 per host x 1 host(s); 4 per device" in out
 
 
+@pytest.mark.slow  # real processes
 def test_dry_run_pretrain_moe(tmp_path, clean_gin):
   result = run_cli([*MOE, "--dry_run", "--gin.MODEL_DIR='moe'"], cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
@@ -119,6 +121,7 @@ def test_dry_run_pretrain_moe(tmp_path, clean_gin):
   assert "t5lite_span_corruption (train, packed, shuffled), lengths inputs 128, targets 32" in out
 
 
+@pytest.mark.slow  # real processes
 def test_dry_run_fsdp_over_8_devices_divides_the_parameters(tmp_path):
   args = [*TINY, "--gin_file=gin/partitioning/fsdp.gin", "--gin.BATCH_SIZE=16", "--dry_run",
           "--gin.MODEL_DIR='run'"]
@@ -137,6 +140,7 @@ def test_dry_run_fsdp_over_8_devices_divides_the_parameters(tmp_path):
   assert f"parameters    {dry_run.format_bytes(4 * per_device):>10}" in out
 
 
+@pytest.mark.slow  # real processes
 def test_dry_run_stops_on_what_training_stops_on(tmp_path):
   bad = [*TINY, "--gin.EVAL_PERIOD=3", "--gin.MODEL_DIR='run'"]
   dry = run_cli([*bad, "--dry_run"], cwd=str(tmp_path))

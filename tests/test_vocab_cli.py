@@ -42,6 +42,7 @@ def printed_flags(stdout):
   return shlex.split(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # real processes
 def test_vocab_round_trips_and_prints_gin_flags(tmp_path):
   result = train_vocab(tmp_path, "--model_type=bpe", "--max_sentences=2000")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -58,6 +59,7 @@ def test_vocab_round_trips_and_prints_gin_flags(tmp_path):
   assert (vocab.pad_id, vocab.eos_id, vocab.unk_id) == (0, 1, 2)  # T5's layout
 
 
+@pytest.mark.slow  # real processes
 def test_vocab_bad_input_is_one_line(tmp_path):
   missing = run("t5lite-vocab", ["--input=nope/*.txt", "--model_prefix=v", "--vocab_size=300"],
                 cwd=str(tmp_path))
