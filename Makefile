@@ -8,7 +8,7 @@ MODEL_DIR ?= runs/pretrain
 TRAIN_GIN ?= gin/pretrain_moe.gin
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast bench lint clean
+.PHONY: install train test test-fast docs-check bench lint clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ install: $(STAMP)
 train: install
 	$(BIN)/t5lite-train --gin_file=$(TRAIN_GIN) --gin.MODEL_DIR="'$(MODEL_DIR)'"
 
+# Everything but the documentation runs, which `make docs-check` does.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --durations=15 -m "not docs" tests $(PYTEST_ARGS)
+
+# Every command in README.md and docs/, CI-sized, and the newcomer path.
+docs-check: install
+	$(BIN)/python -m pytest -q -n 2 -m docs tests $(PYTEST_ARGS)
 
 # Unit tests only, for quick loops; `make test` runs everything.
 test-fast: install

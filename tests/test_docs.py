@@ -352,6 +352,7 @@ RUN_ELSEWHERE = {
 
 
 @pytest.mark.slow
+@pytest.mark.docs
 @pytest.mark.parametrize("doc", [d for d in DOCS if d not in RUN_ELSEWHERE])
 def test_document_commands_run(doc, tmp_path):
   box = Sandbox(tmp_path, port=free_port())

@@ -28,6 +28,7 @@ def jsonl(path):
 
 
 @pytest.mark.slow
+@pytest.mark.docs
 def test_clone_readme_and_quickstart(tmp_path):
   clone = str(tmp_path / "t5lite")
   subprocess.run(["git", "clone", "--quiet", REPO, clone], check=True)
