@@ -83,6 +83,15 @@ def describe_ops(hlo_text: str) -> dict[str, tuple[str, str, str]]:
   return described
 
 
+def phase(op_name: str) -> str:
+  """Forward pass, backward pass, or the rest (optimizer, loss, metrics)."""
+  if "transpose(jvp(" in op_name:
+    return "backward"
+  if "jvp(" in op_name:
+    return "forward"
+  return "optimizer/rest"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gin_file", default="gin/benchmarks/dense.gin")
@@ -103,14 +112,18 @@ def main() -> None:
     times = op_times(trace_dir)
   described = describe_ops(hlo)
   total = sum(times.values())
-  by_kind = collections.Counter()
+  by_kind, by_phase = collections.Counter(), collections.Counter()
   for name, ms in times.items():
-    by_kind[described.get(name, ("other", "", ""))[0]] += ms
+    kind, _, op_name = described.get(name, ("other", "", ""))
+    by_kind[kind] += ms
+    by_phase[phase(op_name)] += ms
   print(f"{args.gin_file}: {wall:.3f} s per step (traced), {total / args.steps:.0f} ms of "
         f"operation time per step summed over threads; model {bare.flops_per_step / 1e9:.1f} "
         "GFLOP per step")
   for kind, ms in by_kind.most_common():
     print(f"  {kind:15s} {100 * ms / total:5.1f} %")
+  for name, ms in by_phase.most_common():
+    print(f"  {name:15s} {100 * ms / total:5.1f} %")
   print(f"slowest {args.top} operations (ms per step, share, result shape, model op):")
   for name, ms in times.most_common(args.top):
     kind, shape, op_name = described.get(name, ("?", "", ""))

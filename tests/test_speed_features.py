@@ -380,3 +380,29 @@ def test_peak_flops_by_device_kind():
   assert metrics.peak_flops_per_second([Device("NVIDIA H100 80GB HBM3")] * 8) == 8 * 989e12
   assert metrics.peak_flops_per_second([Device("NVIDIA H100 PCIe")]) == 756e12
   assert metrics.peak_flops_per_second([Device("cpu")]) is None
+
+
+# ---------------------------------------------------------------------------
+# Low-precision matmuls.
+
+
+def test_bfloat16_matmuls_accumulate_in_float32_on_the_cpu_only(monkeypatch):
+  rng = np.random.default_rng(2)
+  a = jnp.asarray(rng.normal(size=(5, 7)), jnp.bfloat16)
+  b = jnp.asarray(rng.normal(size=(7, 3)), jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda a, b: layers.einsum("ik,kj->ij", a, b, jnp.bfloat16))(a, b))
+  assert "preferred_element_type=float32" in jaxpr
+  got = layers.einsum("ik,kj->ij", a, b, jnp.bfloat16)
+  assert got.dtype == jnp.bfloat16
+  # The same as widening first: products of bfloat16 values are exact in
+  # float32, so only the final rounding to bfloat16 remains.
+  want = (a.astype(jnp.float32) @ b.astype(jnp.float32)).astype(jnp.bfloat16)
+  np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=2**-8)
+  # Accelerators keep bfloat16 results (they accumulate in float32 inside).
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  jaxpr = str(jax.make_jaxpr(lambda a, b: layers.einsum("ik,kj->ij", a, b, jnp.bfloat16))(a, b))
+  assert "preferred_element_type=bfloat16" in jaxpr
+  dense = layers.DenseGeneral(3, kernel_axes=("embed", "mlp"), dtype=jnp.bfloat16)
+  variables = dense.init(jax.random.key(0), a)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert "preferred_element_type=float32" in str(jax.make_jaxpr(dense.apply)(variables, a))

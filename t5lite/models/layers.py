@@ -48,6 +48,31 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
 
 
+def _accumulation_dtype(dtype: DType) -> DType | None:
+  """The result dtype to ask of a matmul of `dtype` inputs.
+
+  XLA on the CPU has fast bfloat16 kernels (AVX512-BF16) only for float32
+  results; asked for a bfloat16 result it widens both inputs to float32
+  and runs the slower float32 kernel. GPUs and TPUs accumulate low-precision
+  matmuls in float32 inside the kernel anyway, and a float32 result would
+  only cost memory traffic there, so they keep the input dtype.
+  """
+  if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
+    return jnp.float32
+  return None
+
+
+def einsum(subscripts: str, a: Array, b: Array, dtype: DType) -> Array:
+  """`jnp.einsum` of two operands cast to `dtype`, with the result in `dtype`.
+
+  Low-precision products accumulate in float32 where that is also faster
+  (see `_accumulation_dtype`); the result is the same up to rounding.
+  """
+  out = jnp.einsum(subscripts, jnp.asarray(a, dtype), jnp.asarray(b, dtype),
+                   preferred_element_type=_accumulation_dtype(dtype))
+  return out.astype(dtype)
+
+
 # Logical axes of a cached key or value: [batch, length, heads, kv].
 _CACHE_AXES = (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV)
 
@@ -154,7 +179,9 @@ class DenseGeneral(nn.Module):
     inputs = jnp.asarray(inputs, self.dtype)
     contract = (axis, tuple(range(len(in_dims))))
     # [..., *in_dims] x [*in_dims, *features] -> [..., *features]
-    return jax.lax.dot_general(inputs, kernel, (contract, ((), ())))
+    out = jax.lax.dot_general(inputs, kernel, (contract, ((), ())),
+                              preferred_element_type=_accumulation_dtype(self.dtype))
+    return out.astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -235,10 +262,8 @@ class Embed(nn.Module):
     Returns:
       Unscaled logits `[batch, length, vocab]` in `dtype`.
     """
-    embedding = jnp.asarray(self.embedding, self.dtype)
-    query = jnp.asarray(query, self.dtype)
     # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
-    return jnp.einsum("ble,ve->blv", query, embedding)
+    return einsum("ble,ve->blv", query, self.embedding, self.dtype)
 
 
 def relative_position_bucket(relative_position: Array | np.ndarray,
@@ -421,7 +446,7 @@ class MultiHeadDotProductAttention(nn.Module):
       weights = jnp.asarray(weights, self.dtype)
       # [batch, heads, q_length, kv_length] x [batch, kv_length, heads, kv]
       #   -> [batch, q_length, heads, kv]
-      x = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+      x = einsum("bhqk,bkhd->bqhd", weights, value, self.dtype)
     x = nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.KV))
     out = DenseGeneral(features=inputs_q.shape[-1], axis=(-2, -1),
                        kernel_axes=(ax.HEADS, ax.KV, ax.EMBED), dtype=self.dtype,
@@ -555,12 +580,14 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
     `[batch, heads, q_length, kv_length]` weights, float32 if
     `float32_logits` else in the query dtype.
   """
-  if float32_logits:
-    query = query.astype(jnp.float32)
-    key = key.astype(jnp.float32)
   # [batch, q_length, heads, kv] x [batch, kv_length, heads, kv]
   #   -> [batch, heads, q_length, kv_length]
-  logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+  if float32_logits:
+    # Products of low-precision values are exact in float32, so accumulating
+    # them there equals widening the inputs first, at low-precision speed.
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  else:
+    logits = einsum("bqhd,bkhd->bhqk", query, key, query.dtype)
   if bias is not None:
     logits = logits + bias.astype(logits.dtype)
   return jax.nn.softmax(logits, axis=-1)

@@ -426,14 +426,14 @@ class MoeLayer(nn.Module):
     grouped = jnp.asarray(grouped, self.dtype)
     # Dispatch where the group lives: [groups, tokens, experts, capacity] x
     # [groups, tokens, embed] -> [groups, experts, capacity, embed].
-    expert_inputs = jnp.einsum("gtec,gtd->gecd", routing.dispatch.astype(self.dtype), grouped)
+    expert_inputs = layers.einsum("gtec,gtd->gecd", routing.dispatch, grouped, self.dtype)
     expert_inputs = nn.with_logical_constraint(expert_inputs, (ax.BATCH, None, None, ax.EMBED))
     expert_inputs = _to_experts(expert_inputs)
     expert_outputs = self._experts(expert_inputs, deterministic)
     expert_outputs = _to_groups(expert_outputs)
     # Combine where the group lives: [groups, experts, capacity, embed] x
     # [groups, tokens, experts, capacity] -> [groups, tokens, embed].
-    out = jnp.einsum("gecd,gtec->gtd", expert_outputs, routing.combine.astype(self.dtype))
+    out = layers.einsum("gecd,gtec->gtd", expert_outputs, routing.combine, self.dtype)
     out = nn.with_logical_constraint(out, (ax.BATCH, None, ax.EMBED))
     out = out.reshape(batch, length, embed)  # [batch, length, embed]
     return nn.with_logical_constraint(out, (ax.BATCH, ax.LENGTH, ax.EMBED))
@@ -483,8 +483,8 @@ class MoeLayer(nn.Module):
     hidden_axes = (ax.EXPERT, ax.BATCH, None, ax.EXPERT_MLP)
     # [experts, groups, capacity, embed] x [experts, embed, expert_mlp]
     #   -> [experts, groups, capacity, expert_mlp]
-    h0 = jnp.einsum("egcd,edh->egch", x, self._kernel("wi_0", in_shape, in_axes))
-    h1 = jnp.einsum("egcd,edh->egch", x, self._kernel("wi_1", in_shape, in_axes))
+    h0 = layers.einsum("egcd,edh->egch", x, self._kernel("wi_0", in_shape, in_axes), self.dtype)
+    h1 = layers.einsum("egcd,edh->egch", x, self._kernel("wi_1", in_shape, in_axes), self.dtype)
     # Tanh-approximate GELU, as in the dense T5.1.1 MlpBlock.
     hidden = nn.gelu(h0, approximate=True) * h1
     hidden = nn.with_logical_constraint(hidden, hidden_axes)
@@ -493,5 +493,5 @@ class MoeLayer(nn.Module):
                       (ax.EXPERT, ax.EXPERT_MLP, ax.EMBED))
     # [experts, groups, capacity, expert_mlp] x [experts, expert_mlp, embed]
     #   -> [experts, groups, capacity, embed]
-    out = jnp.einsum("egch,ehd->egcd", hidden, wo)
+    out = layers.einsum("egch,ehd->egcd", hidden, wo, self.dtype)
     return nn.with_logical_constraint(out, (ax.EXPERT, ax.BATCH, None, ax.EMBED))
