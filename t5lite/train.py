@@ -203,6 +203,22 @@ def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iter
     yield _to_global(batch, shardings, global_batch)
 
 
+def _leave_cores_to_the_step(ds: Any) -> Any:
+  """Runs the training pipeline on its own threads, at most half the cores.
+
+  Left alone, tf.data spreads its work over a pool as large as the machine
+  and over several threads per operation; on a CPU host those threads then
+  preempt the threads of the compiled step, which waits for its slowest
+  thread. The pipeline needs far less than half the machine to keep up (see
+  benchmarks/run.py, input pipeline).
+  """
+  import tensorflow as tf  # the pipeline is tf.data already; imported where used
+  options = tf.data.Options()
+  options.threading.private_threadpool_size = max(1, (os.cpu_count() or 2) // 2)
+  options.threading.max_intra_op_parallelism = 1
+  return ds.with_options(options)
+
+
 class _Prefetcher:
   """Builds a fixed number of batches in a background thread, a few ahead.
 
@@ -296,8 +312,8 @@ class TrainData:
       raise ValueError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
                        f"{prefetch_depth}.")
     layout = partitioner.get_data_layout(cfg.batch_size)
-    self._ds = datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
-                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
+    self._ds = _leave_cores_to_the_step(datasets.get_dataset(
+        cfg, layout.shard_id, layout.num_shards, model.FEATURE_CONVERTER_CLS, num_epochs=None))
     self._global_batch = cfg.batch_size
     self._depth = prefetch_depth
     self._prefetcher: _Prefetcher | None = None

@@ -8,7 +8,12 @@ always float32; the `dtype` attribute of each module selects the activation
 and compute dtype (float32 or bfloat16).
 
 Masks here are boolean arrays `[batch, 1, q_length, kv_length]` where True
-means "may attend"; attention turns them into an additive bias.
+means "may attend"; the einsum attention turns them into an additive bias,
+`jax.nn.dot_product_attention` takes them as its `mask` (and T5's relative
+position biases as its `bias`).
+
+bfloat16 matmuls request float32 results on the CPU, where that selects
+kernels about twice as fast as float32 ones (see `einsum`).
 
 Autoregressive decoding keeps each attention's keys and values in the
 'cache' collection (see `DecodeCache`): one prefill pass stores them for the
