@@ -125,6 +125,8 @@ def fused_calls(monkeypatch):
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_dot_product_attention_equals_xla_attention(fused_calls, scan_layers):
   _loss_and_grads.cache_clear()  # trace again, under the spy
+  _params(scan_layers=scan_layers)
+  fused_calls.clear()  # the initialisation's own calls
   want = _loss_and_grads(scan_layers=scan_layers, attention_impl="xla")
   assert not fused_calls
   got = _loss_and_grads(scan_layers=scan_layers, attention_impl="dot_product_attention")
@@ -169,15 +171,21 @@ def test_fused_attention_backend_picks_cudnn_only_where_it_applies(monkeypatch):
   def qk(dtype, head_dim=64, q_len=8, kv_len=8):
     return jnp.zeros((1, q_len, 2, head_dim), dtype), jnp.zeros((1, kv_len, 2, head_dim), dtype)
 
-  bias = jnp.zeros((1, 2, 8, 8))
-  assert layers.fused_attention_backend(*qk(jnp.bfloat16), bias) == "xla"  # on this CPU
+  bias, mask = jnp.zeros((1, 2, 8, 8)), jnp.ones((1, 1, 8, 8), bool)
+  backend = layers.fused_attention_backend
+  assert backend(*qk(jnp.bfloat16), bias) == "xla"  # on this CPU
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert layers.fused_attention_backend(*qk(jnp.bfloat16), bias) == "cudnn"
-  assert layers.fused_attention_backend(*qk(jnp.float16), None) == "cudnn"
-  assert layers.fused_attention_backend(*qk(jnp.float32), bias) == "xla"
-  assert layers.fused_attention_backend(*qk(jnp.bfloat16, head_dim=12), bias) == "xla"
-  assert layers.fused_attention_backend(*qk(jnp.bfloat16, q_len=7), bias) == "xla"
-  assert layers.fused_attention_backend(*qk(jnp.bfloat16, q_len=7), None) == "cudnn"
+  assert backend(*qk(jnp.bfloat16), bias, mask) == "cudnn"
+  assert backend(*qk(jnp.float16), None) == "cudnn"
+  assert backend(*qk(jnp.float32), bias) == "xla"
+  assert backend(*qk(jnp.bfloat16, head_dim=12), bias) == "xla"
+  # Training: cuDNN cannot give the gradient of a bias with a batch axis,
+  # which a per-example mask becomes, nor of a bias at an odd length.
+  assert backend(*qk(jnp.bfloat16), bias, None, training=True) == "cudnn"
+  assert backend(*qk(jnp.bfloat16), bias, mask, training=True) == "xla"
+  assert backend(*qk(jnp.bfloat16), jnp.zeros((2, 2, 8, 8)), None, training=True) == "xla"
+  assert backend(*qk(jnp.bfloat16, q_len=7), bias, None, training=True) == "xla"
+  assert backend(*qk(jnp.bfloat16, q_len=7), None, None, training=True) == "cudnn"
 
 
 # ---------------------------------------------------------------------------

@@ -383,7 +383,7 @@ class MultiHeadDotProductAttention(nn.Module):
     attention_impl: 'xla' (this module's einsums, with attention dropout) or
       'dot_product_attention' (`jax.nn.dot_product_attention`: cuDNN flash
       attention on GPUs that support the shapes and dtype, XLA elsewhere; see
-      `dot_product_attention`). The latter has no attention dropout, so a
+      `fused_attention_backend`). The latter has no attention dropout, so a
       training call with `dropout_rate > 0` uses the einsums.
   """
 
@@ -443,7 +443,8 @@ class MultiHeadDotProductAttention(nn.Module):
                        f"{ATTENTION_IMPLS}.")
     attention_dropout = not deterministic and self.dropout_rate > 0
     if self.attention_impl == "dot_product_attention" and not attention_dropout:
-      x = dot_product_attention(query, key, value, mask, bias)  # [batch, q_length, heads, kv]
+      # [batch, q_length, heads, kv]
+      x = dot_product_attention(query, key, value, mask, bias, training=not deterministic)
     else:
       weights = attention_weights(query, key, combine_biases(mask, bias),
                                   float32_logits=self.float32_logits)
@@ -514,19 +515,24 @@ def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
   return mask_bias if bias is None else mask_bias + bias
 
 
-def fused_attention_backend(query: Array, key: Array, bias: Array | None) -> str:
+def fused_attention_backend(query: Array, key: Array, bias: Array | None,
+                            mask: Array | None = None, training: bool = False) -> str:
   """Which `jax.nn.dot_product_attention` implementation fits these inputs.
 
   cuDNN flash attention needs a GPU, bfloat16 or float16 inputs and a head
   width that is a multiple of 8 of at most 128 (256 from Hopper on, but
-  128 is safe everywhere); with a bias, whose gradient it also computes,
-  both sequence lengths must be even. Anything else runs on XLA, which gives
-  the same results.
+  128 is safe everywhere). jax folds the mask into the bias, and in training
+  cuDNN computes the bias gradient only for a bias without a batch axis: a
+  per-example mask, which every T5 batch has (padding, packing), rules it
+  out, and so does an odd sequence length with a bias. Anything else runs on
+  XLA, which gives the same results.
 
   Args:
     query: `[batch, q_length, heads, kv]`.
     key: `[batch, kv_length, heads, kv]`.
     bias: the additive bias that will be passed, or None.
+    mask: the boolean mask that will be passed, or None.
+    training: whether gradients will flow through the call.
 
   Returns:
     'cudnn' or 'xla'.
@@ -536,13 +542,15 @@ def fused_attention_backend(query: Array, key: Array, bias: Array | None) -> str
   head_dim = query.shape[-1]
   if head_dim % 8 or head_dim > 128:
     return "xla"
-  if bias is not None and (query.shape[1] % 2 or key.shape[1] % 2):
+  if training and bias is not None and (query.shape[1] % 2 or key.shape[1] % 2):
+    return "xla"
+  if training and (mask is not None or (bias is not None and bias.shape[0] != 1)):
     return "xla"
   return "cudnn"
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None,
-                          bias: Array | None) -> Array:
+                          bias: Array | None, training: bool = False) -> Array:
   """T5 attention through `jax.nn.dot_product_attention`.
 
   T5 folds the 1/sqrt(head_dim) scaling into the query kernel, so the logits
@@ -559,11 +567,13 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     mask: boolean, broadcastable to `[batch, heads, q_length, kv_length]`;
       True attends. Or None.
     bias: additive, broadcastable to the same shape, or None.
+    training: whether gradients will flow through the call (see
+      `fused_attention_backend`).
 
   Returns:
     `[batch, q_length, heads, kv]` in the dtype of `query`.
   """
-  implementation = fused_attention_backend(query, key, bias)
+  implementation = fused_attention_backend(query, key, bias, mask, training)
   if bias is not None:
     # cuDNN takes the bias in the compute dtype; XLA adds it to float32 logits.
     bias = bias.astype(query.dtype if implementation == "cudnn" else jnp.float32)
