@@ -201,8 +201,8 @@ def _make(tokens: list[str], box: Sandbox) -> list[str]:
   """`make train` runs the command make would run, CI-sized; other targets
   must at least resolve (`make -n`)."""
   if tokens[1:] != ["train"]:
-    return ["make", "-n", *tokens[1:]]
-  printed = subprocess.run(["make", "-n", "train"], cwd=box.root, capture_output=True,
+    return ["make", "--no-print-directory", "-n", *tokens[1:]]
+  printed = subprocess.run(["make", "--no-print-directory", "-n", "train"], cwd=box.root, capture_output=True,
                            text=True, check=True).stdout.strip().splitlines()
   command = shlex.split(printed[-1])
   assert os.path.basename(command[0]) == "t5lite-train", printed
