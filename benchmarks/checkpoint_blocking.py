@@ -115,6 +115,8 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--checkpoint_period", type=int, default=10)
   parser.add_argument("--stats", type=int, default=10)
+  parser.add_argument("--output", default=None,
+                      help="JSON path (default: benchmarks/results/checkpoint-blocking-<time>.json)")
   args = parser.parse_args()
   gin_files = args.gin_file or ["gin/pretrain_dense.gin"]
   with tempfile.TemporaryDirectory() as model_dir:
@@ -136,8 +138,9 @@ def main() -> None:
       "mean_step_seconds_without_saves": net_step,
       "blocked_per_checkpoint_over_step_time": mean_blocked / net_step,
   }
-  os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-  path = os.path.join(HERE, "results", f"checkpoint-blocking-{int(time.time())}.json")
+  path = args.output or os.path.join(HERE, "results",
+                                     f"checkpoint-blocking-{int(time.time())}.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
   for step, seconds in timer.saves:

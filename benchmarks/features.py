@@ -61,7 +61,7 @@ def measure_prefetch(gin_file: str, depth: int, steps: int) -> dict:
   configure = bench.configure
   bench.configure = lambda g, m, s, st, extra=(): configure(g, m, s, st, [*extra, *binding])
   try:
-    r = bench.bench_config(gin_file, args, peak=1.0)
+    r = bench.bench_config(gin_file, args)
   finally:
     bench.configure = configure
   return {k: r[k] for k in ("framework_overhead", "framework_overhead_of_medians",

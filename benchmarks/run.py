@@ -6,8 +6,9 @@ For every gin file (by default gin/benchmarks/dense.gin and moe.gin):
   (a) model FLOPs utilisation: the model's FLOPs per training step
       (`BaseModel.train_flops_per_step`, 3 x the forward matmuls; see
       docs/performance.md) over the step time of a bare loop, divided by the
-      peak matmul FLOP/s measured at the start of the same run (best of
-      float32 and bfloat16 jitted square matmuls of 1024, 2048 and 4096);
+      peak matmul FLOP/s measured in the same run (best of float32 and
+      bfloat16 jitted square matmuls of 1024, 2048 and 4096, measured before
+      and after every config, the fastest kept);
   (b) framework overhead: 1 - steps/s of the real `train()` main loop (data
       pipeline, prefetching, metrics, summaries, console) over steps/s of
       a bare loop calling the same compiled step on one resident batch. The
@@ -281,8 +282,28 @@ def peak_host_memory(gin_file: str, steps: int) -> float:
   return usage.ru_maxrss * 1024.0  # Linux reports KiB
 
 
-def bench_config(gin_file: str, args: argparse.Namespace, peak: float) -> dict[str, Any]:
-  """Every figure of one config; see the module docstring."""
+def best_peak(peaks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """The fastest rate of every matmul over several `matmul_peak` runs: other
+  processes on the machine only ever slow a measurement down."""
+  rates = {k: max(p["all"][k] for p in peaks) for k in peaks[0]["all"]}
+  mixed = {k: max(p["bfloat16_to_float32_all"][k] for p in peaks)
+           for k in peaks[0]["bfloat16_to_float32_all"]}
+  best_name = max(rates, key=rates.get)
+  return {"flops_per_second": rates[best_name], "best": best_name, "all": rates,
+          "bfloat16_to_float32": max(mixed.values()), "bfloat16_to_float32_all": mixed,
+          "measurements": len(peaks)}
+
+
+def add_mfu(result: dict[str, Any], peak: float) -> None:
+  """MFU of the bare loop and of train() against the run's matmul peak."""
+  result["mfu"] = result["model_flops_per_second"] / peak
+  result["train_loop_mfu"] = (result["flops_per_step"]
+                              * max(result["train_loop_steps_per_second"]) / peak)
+
+
+def bench_config(gin_file: str, args: argparse.Namespace) -> dict[str, Any]:
+  """Every figure of one config but MFU (see `add_mfu`); see the module
+  docstring."""
   result: dict[str, Any] = {"gin_file": gin_file, "load_average_start": os.getloadavg()}
   with tempfile.TemporaryDirectory() as model_dir:
     configure(gin_file, model_dir, args.steps, args.stats)
@@ -301,7 +322,6 @@ def bench_config(gin_file: str, args: argparse.Namespace, peak: float) -> dict[s
       num_params=params, flops_per_step=flops, tokens_per_batch=tokens,
       bare_steps_per_second=blocks, train_loop_steps_per_second=periods,
       step_seconds=1 / bare_rate, model_flops_per_second=flops * bare_rate,
-      mfu=flops * bare_rate / peak, train_loop_mfu=flops * train_rate / peak,
       framework_overhead=1 - train_rate / bare_rate,
       framework_overhead_of_medians=1 - statistics.median(periods) / statistics.median(blocks),
       bare_cpu_seconds_per_step=block_cpu, train_loop_cpu_seconds_per_step=period_cpu,
@@ -377,7 +397,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gin_file", action="append", default=None,
                       help=f"configs to measure (default: {', '.join(CONFIGS)})")
-  parser.add_argument("--steps", type=int, default=60, help="train() steps")
+  parser.add_argument("--steps", type=int, default=100, help="train() steps")
   parser.add_argument("--stats", type=int, default=10, help="train() stats period")
   parser.add_argument("--bare_steps", type=int, default=10,
                       help="bare-loop steps before and after train()")
@@ -408,9 +428,15 @@ def main() -> None:
   started = datetime.datetime.now(datetime.timezone.utc)
   info = {"when": started.isoformat(), "commit": git_commit(), "machine": machine(),
           "load_average_start": os.getloadavg(), "args": vars(args)}
-  peak = matmul_peak(args.matmul_sizes)
+  # The peak is measured before and after every config and the best kept.
+  peaks, results = [matmul_peak(args.matmul_sizes)], {}
+  for name in configs:
+    results[name] = bench_config(name, args)
+    peaks.append(matmul_peak(args.matmul_sizes))
+  peak = best_peak(peaks)
+  for result in results.values():
+    add_mfu(result, peak["flops_per_second"])
   info["matmul_peak"] = peak
-  results = {name: bench_config(name, args, peak["flops_per_second"]) for name in configs}
   info.update(results=results, load_average_end=os.getloadavg(),
               benchmark_process_peak_rss_bytes=resource.getrusage(
                   resource.RUSAGE_SELF).ru_maxrss * 1024.0)
@@ -422,7 +448,8 @@ def main() -> None:
   print(f"t5lite training benchmark, commit {info['commit']}, {started:%Y-%m-%d %H:%M} UTC")
   print(f"machine: {m['cpu_model']}, {m['nproc']} cores; load average "
         f"{info['load_average_start'][0]:.1f} -> {info['load_average_end'][0]:.1f}")
-  print(f"matmul peak: {peak['flops_per_second'] / 1e9:.1f} GFLOP/s ({peak['best']}; "
+  print(f"matmul peak: {peak['flops_per_second'] / 1e9:.1f} GFLOP/s (best of "
+        f"{peak['measurements']} measurements; {peak['best']}; "
         + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peak["all"].items()) + ")")
   print(f"  for reference, bfloat16 inputs with float32 results: "
         f"{peak['bfloat16_to_float32'] / 1e9:.1f} GFLOP/s (not the MFU denominator)")
