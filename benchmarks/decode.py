@@ -8,7 +8,7 @@ every step reruns the full teacher-forced forward pass. Both are jitted
 `lax.while_loop`s; compile time is reported apart from the timed calls. The
 two must produce the same tokens. Throughput counts generated tokens (EOS
 included, padding after it excluded). The JSON lands in
-benchmarks/results/decode.json.
+benchmarks/results/decode-<time>.json.
 
   .venv/bin/python benchmarks/decode.py [--gin_file=...] [--batch=8] [--length=64]
 """
@@ -84,7 +84,8 @@ def main() -> None:
                       help="encoder input length and decode length")
   parser.add_argument("--decoder", choices=("greedy", "beam4"), default="greedy")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--output", default=os.path.join(HERE, "results", "decode.json"))
+  parser.add_argument("--output", default=None,
+                      help="JSON path (default: benchmarks/results/decode-<time>.json)")
   args = parser.parse_args()
 
   model = build_model(args.gin_file, args.decoder)
@@ -104,6 +105,7 @@ def main() -> None:
       "speedup": cached["tokens_per_second"] / uncached["tokens_per_second"],
       "same_tokens": same,
   }
+  args.output = args.output or os.path.join(HERE, "results", f"decode-{int(time.time())}.json")
   os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
   with open(args.output, "w") as f:
     json.dump(result, f, indent=2)

@@ -36,6 +36,10 @@ VARIANTS = {
     "scan_layers": [f"{CONFIG}.scan_layers = True"],
     "remat full": [f"{CONFIG}.remat_policy = 'full'"],
     "remat dots_saveable": [f"{CONFIG}.remat_policy = 'dots_saveable'"],
+    "scan_layers + remat full": [f"{CONFIG}.scan_layers = True",
+                                 f"{CONFIG}.remat_policy = 'full'"],
+    "scan_layers + remat dots_saveable": [f"{CONFIG}.scan_layers = True",
+                                          f"{CONFIG}.remat_policy = 'dots_saveable'"],
     "attention xla": [f"{CONFIG}.attention_impl = 'xla'"],
     "attention dot_product_attention": [f"{CONFIG}.attention_impl = 'dot_product_attention'"],
 }
@@ -55,7 +59,8 @@ def measure_step(gin_file: str, bindings: list[str], steps: int, blocks: int) ->
 
 def measure_prefetch(gin_file: str, depth: int, steps: int) -> dict:
   """train() loop against the bare loop with `prefetch_batches = depth`."""
-  args = argparse.Namespace(steps=steps, stats=10, bare_steps=10, pipeline_batches=20,
+  args = argparse.Namespace(steps=steps, stats=max(1, min(10, steps // 3)), bare_steps=10,
+                            pipeline_batches=20,
                             compile_depths=[], memory_steps=0)
   binding = [f"train_lib.train.prefetch_batches = {depth}"]
   configure = bench.configure
@@ -76,6 +81,8 @@ def main() -> None:
   parser.add_argument("--blocks", type=int, default=3)
   parser.add_argument("--train_steps", type=int, default=60,
                       help="train() steps of each prefetch variant; 0 skips them")
+  parser.add_argument("--variant", action="append", choices=list(VARIANTS), default=None,
+                      help="measure only these variants (default: all)")
   parser.add_argument("--output", default=None)
   args = parser.parse_args()
   os.chdir(bench.ROOT)
@@ -88,7 +95,8 @@ def main() -> None:
   print(f"{args.gin_file}, commit {result['commit']}, {started:%Y-%m-%d %H:%M} UTC, load "
         f"average {result['load_average_start'][0]:.1f}")
   print(f"{'variant':34s} {'step s':>8s} {'CPU s/step':>11s} {'GFLOP/s':>8s} {'temp MiB':>9s}")
-  for name, bindings in VARIANTS.items():
+  for name in args.variant or VARIANTS:
+    bindings = VARIANTS[name]
     r = measure_step(args.gin_file, bindings, args.steps, args.blocks)
     result["variants"][name] = r
     temp = f"{r['temp_bytes'] / 2**20:9.0f}" if r["temp_bytes"] is not None else "        ?"

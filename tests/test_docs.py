@@ -69,6 +69,10 @@ CLUSTER_ONLY = {
         ClusterOnly("--gin.NUM_EXPERT_PARTITIONS=16", "64 experts over 16-way expert "
                     "parallelism on a multi-host GPU job (--multiprocess_gpu)", 16),
     ],
+    "docs/performance.md": [
+        ClusterOnly("benchmarks/gpu.sh", "needs one NVIDIA GPU with CUDA 12 (the script "
+                    "installs jax's CUDA plugin)", None),
+    ],
     "docs/data.md": [
         ClusterOnly("--tfds_data_dir=/data/tfds", "needs the C4 TFDS dataset prepared on "
                     "disk (a large download); t5lite itself never downloads", None),
@@ -218,6 +222,39 @@ def _as_is(tokens: list[str], box: Sandbox) -> list[str]:
   return tokens
 
 
+# The benchmark scripts at smoke-test size: their code paths, not their figures.
+BENCH_TINY_GIN = "--gin_file=gin/testing/bench_tiny.gin"
+BENCH_TINY_ARGS = {
+    "run.py": ["--steps=6", "--stats=2", "--bare_steps=2", "--pipeline_batches=4",
+               "--compile_depths=1,2", "--memory_steps=2", "--matmul_sizes=64"],
+    "features.py": ["--steps=1", "--blocks=1", "--train_steps=6"],
+    "profile_step.py": ["--steps=1", "--top=5"],
+    "checkpoint_blocking.py": ["--steps=6", "--checkpoint_period=2", "--stats=2"],
+    "decode.py": ["--batch=2", "--length=8", "--repeats=1"],
+}
+_WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py")
+
+
+def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
+  """`python benchmarks/X.py`: the script on a tiny config, its JSON in the sandbox."""
+  script = os.path.basename(tokens[1]) if len(tokens) > 1 else ""
+  assert tokens[1:2] and tokens[1].startswith("benchmarks/") and script in BENCH_TINY_ARGS, (
+      f"no CI-sized form for `{' '.join(tokens)}`: add the script to BENCH_TINY_ARGS")
+  tiny = BENCH_TINY_ARGS[script]
+  overridden = tuple(a.split("=")[0] + "=" for a in tiny) + ("--output=",)
+  out = [t for t in tokens if not t.startswith(overridden)]
+  if script == "checkpoint_blocking.py":
+    out += ([] if any(t.startswith("--gin_file=") for t in out)
+            else ["--gin_file=gin/pretrain_dense.gin"]) + [OVERLAY]
+  elif script != "decode.py":  # decode.py takes a model file, already tiny
+    out = [BENCH_TINY_GIN if t.startswith("--gin_file=gin/benchmarks/") else t for t in out]
+    out += [] if BENCH_TINY_GIN in out else [BENCH_TINY_GIN]
+  out += tiny
+  if script in _WRITES_JSON:
+    out.append(f"--output={box.root}/bench-results/{script[:-3]}.json")
+  return out
+
+
 # Programs the docs may use, and how each becomes a CI-sized command.
 RULES = {
     "t5lite-train": _shrink_t5lite,
@@ -226,6 +263,7 @@ RULES = {
     "t5lite-vocab": _as_is,
     "tensorboard": _tensorboard,
     "make": _make,
+    "python": _benchmark,
     "mkdir": _as_is, "gunzip": _as_is, "printf": _as_is, "cp": _as_is, "cat": _as_is,
     "ls": _as_is, "echo": _as_is,
 }
