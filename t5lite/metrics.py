@@ -77,9 +77,13 @@ PEAK_FLOPS_PER_DEVICE = {
 }
 
 
-def peak_flops_per_second(devices: Sequence[jax.Device] | None = None) -> float | None:
-  """Datasheet peak of all `devices` (default: every device of the job) or None."""
+def peak_flops_per_second(devices: Sequence[jax.Device] | None = None,
+                          per_device: float | None = None) -> float | None:
+  """Peak FLOP/s of all `devices` (default: every device of the job): from
+  `per_device` when given, else from the datasheet table, else None."""
   devices = list(devices or jax.devices())
+  if per_device is not None:
+    return per_device * len(devices)
   kind = devices[0].device_kind
   for name, flops in PEAK_FLOPS_PER_DEVICE.items():
     if name in kind:

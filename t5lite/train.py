@@ -728,6 +728,7 @@ def train(*,
           run_eval_before_training: bool = False,
           gc_period: int = 0,
           prefetch_batches: int = 2,
+          peak_flops_per_device: float | None = None,
           summarize_config_fn: Callable[[str], None] | None = None) -> tuple[int, TrainState]:
   """Trains `model` on `train_dataset_cfg`, checkpointing into `model_dir`.
 
@@ -759,6 +760,11 @@ def train(*,
     prefetch_batches: training batches built and sent to the devices in a
       background thread while earlier steps run; 0 builds each batch when
       its step is dispatched.
+    peak_flops_per_device: peak FLOP/s of one device, for the MFU of the
+      progress line and `timing/mfu`; None takes the datasheet figure of the
+      GPUs and TPUs in `metrics.PEAK_FLOPS_PER_DEVICE` and shows model FLOP/s
+      alone on other devices (on a CPU, bind the matmul peak `make bench`
+      measures).
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
 
@@ -770,6 +776,9 @@ def train(*,
     ValueError: invalid configuration, before anything compiles or is written.
   """
   seed = _resolve_seed(random_seed)
+  if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+    raise ValueError(f"train.peak_flops_per_device must be a positive FLOP/s figure or None, "
+                     f"got {peak_flops_per_device!r}.")
   trainer = trainer_cls(model=model, partitioner=partitioner, dropout_seed=seed)
   periods = validate(
       model=model, train_dataset_cfg=train_dataset_cfg, model_dir=model_dir,
@@ -784,7 +793,8 @@ def train(*,
               actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
               relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
               run_eval_before_training=run_eval_before_training,
-              prefetch_batches=prefetch_batches, summarize_config_fn=summarize_config_fn)
+              prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
+              summarize_config_fn=summarize_config_fn)
 
 
 def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None
@@ -795,7 +805,8 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
 
 
 def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_cfg, actions,
-                train_task, specs, checkpointer, model_dir, start, end, eval_steps) -> _Loop:
+                train_task, specs, checkpointer, model_dir, start, end, eval_steps,
+                peak_flops_per_device=None) -> _Loop:
   """The compiled step, the evaluators and the writers around the data."""
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
   evaluator = infer_evaluator = None
@@ -809,18 +820,20 @@ def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_c
         params_shardings=specs.shardings.params, output_dir=model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer,
-               writer=writer, progress=_progress(model, data, start, end), periods=periods,
+               writer=writer, progress=_progress(model, data, start, end, peak_flops_per_device), periods=periods,
                evaluator=evaluator, infer_evaluator=infer_evaluator, actions=actions,
                train_task=train_task, total_steps=end)
 
 
-def _progress(model: Any, data: TrainData, start: int, end: int) -> metrics_lib.Progress:
+def _progress(model: Any, data: TrainData, start: int, end: int,
+              peak_flops_per_device: float | None = None) -> metrics_lib.Progress:
   """Throughput tracking, with model FLOP/s (and MFU where the devices'
   peak is known) when the model can count its FLOPs."""
   count = getattr(model, "train_flops_per_step", None)
   flops = count(data.global_shapes()) if count else None
   return metrics_lib.Progress(end, start, flops_per_step=flops,
-                              peak_flops_per_second=metrics_lib.peak_flops_per_second())
+                              peak_flops_per_second=metrics_lib.peak_flops_per_second(
+                                  per_device=peak_flops_per_device))
 
 
 def _close(loop: _Loop) -> None:
@@ -837,7 +850,8 @@ def _close(loop: _Loop) -> None:
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
          checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
-         prefetch_batches, summarize_config_fn) -> tuple[int, TrainState]:
+         prefetch_batches, peak_flops_per_device, summarize_config_fn
+         ) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   data = TrainData(model, train_cfg, partitioner, prefetch_batches)
   specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
@@ -860,7 +874,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
                      data=data, eval_cfg=eval_cfg, infer_cfg=infer_cfg, actions=actions,
                      train_task=train_cfg.mixture_or_task_name, specs=specs,
                      checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
-                     eval_steps=eval_steps)
+                     eval_steps=eval_steps, peak_flops_per_device=peak_flops_per_device)
   metrics_lib.log_line(_banner(model=model, specs=specs, partitioner=partitioner,
                                train_cfg=train_cfg, periods=periods, start=start, end=end,
                                checkpointer=checkpointer))

@@ -23,19 +23,21 @@ def run_script(args, timeout=600):
 
 
 @pytest.mark.slow
-def test_run_reports_mfu_overhead_pipeline_compile_and_memory(tmp_path):
+def test_run_reports_mfu_overhead_and_pipeline(tmp_path):
+  # The compile sweep and the memory run are further processes; `make
+  # docs-check` runs them (docs/performance.md's commands).
   output = tmp_path / "bench.json"
   stdout = run_script(["benchmarks/run.py", f"--gin_file={TINY}", "--steps=6", "--stats=2",
-                       "--bare_steps=2", "--pipeline_batches=4", "--compile_depths=1,2",
-                       "--memory_steps=2", "--matmul_sizes=64", f"--output={output}"])
+                       "--bare_steps=2", "--pipeline_batches=4", "--compile_depths=",
+                       "--memory_steps=0", "--matmul_sizes=64", f"--output={output}"])
   for figure in ("(a) MFU", "(b) framework overhead", "(c) input pipeline",
-                 "(d) compile unscanned", "(d) compile scanned", "(e) peak host memory"):
+                 "(d) compile            not measured", "(e) peak host memory   not measured"):
     assert figure in stdout, stdout
   info = json.loads(output.read_text())
   peak = info["matmul_peak"]
   # Measured before and after the config, for both dtypes.
   assert peak["measurements"] == 2
-  assert set(peak["all"]) == {f"{d} {n}" for d in ("float32", "bfloat16") for n in (64,)}
+  assert set(peak["all"]) == {"float32 64", "bfloat16 64"}
   assert peak["flops_per_second"] == max(peak["all"].values())
   r = info["results"][TINY]
   # train() ran 6 steps in stats periods of 2; the first period compiles.
@@ -47,11 +49,7 @@ def test_run_reports_mfu_overhead_pipeline_compile_and_memory(tmp_path):
   assert r["pipeline_ratio"] == pytest.approx(
       r["pipeline_tokens_per_second"] / r["consumed_tokens_per_second"])
   assert r["tokens_per_batch"] == 4 * (32 + 16)  # local_tiny: batch 4, lengths 32 + 16
-  for clock in ("wall", "cpu"):
-    for layout in ("unscanned", "scanned"):
-      assert sorted(r["compile_seconds"][clock][layout]) == ["1", "2"]
-      assert all(t > 0 for t in r["compile_seconds"][clock][layout].values())
-  assert r["peak_host_memory_bytes"] > 100 * 2**20  # a jax + TensorFlow process
+  assert "compile_seconds" not in r and "peak_host_memory_bytes" not in r
 
 
 @pytest.mark.slow

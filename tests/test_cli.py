@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -100,16 +101,22 @@ def test_train_writes_outputs_then_resumes(tmp_path):
   assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4"]
   losses = scalars(str(model_dir / "train"), "loss")
   assert sorted(losses) == [2, 4] and all(v > 0 for v in losses.values())
-  assert "timing/steps_per_second" in str(first.stdout) or losses
+  # A CPU has no datasheet peak: model FLOP/s, no MFU.
+  assert "FLOP/s" in first.stdout and "MFU" not in first.stdout
   eval_dirs = glob.glob(str(model_dir / "training_eval" / "*"))
   assert eval_dirs and scalars(eval_dirs[0], "loss")
   assert "step 4/4" in first.stdout
 
   # Same command with more steps resumes from step 4 instead of starting over.
-  second = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
-                   cwd=str(tmp_path))
+  # A peak bound by the user adds MFU to the progress line and the summaries.
+  second = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
+                    "--gin.train_lib.train.peak_flops_per_device=1e6"], cwd=str(tmp_path))
   assert second.returncode == 0, second.stderr[-4000:]
   assert "Restoring step 4" in second.stdout
+  assert re.search(r"step 6/6 .*FLOP/s  MFU [\d.]+%", second.stdout), second.stdout
+  mfu, flops = (scalars(str(model_dir / "train"), tag)[6]
+                for tag in ("timing/mfu", "timing/model_flops_per_second"))
+  assert mfu == pytest.approx(flops / 1e6, rel=1e-5)
   assert "step 6/6" in second.stdout and "step 2/" not in second.stdout
   assert "6" in os.listdir(model_dir / "checkpoints")
 

@@ -123,12 +123,15 @@ def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
   assert scalars(str(out / "t5lite_test_echo"), "accuracy") == {7: 100.0}
 
 
+# The whole validation split (1000 examples) is decoded in batches of 200: 5
+# decode calls an evaluation instead of 250 at the training batch size.
+INFER_BATCH = "--gin.infer_eval/datasets.DatasetConfig.batch_size=200"
 FINETUNE_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finetune.gin",
                  "--gin_file=gin/testing/local_tiny.gin", "--gin.INITIAL_CHECKPOINT_PATH=None",
-                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'"]
+                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH]
 EVAL_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/eval.gin",
              "--gin_file=gin/testing/local_tiny.gin",
-             "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'"]
+             "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH]
 
 
 def _read(path):

@@ -388,6 +388,18 @@ def test_peak_flops_by_device_kind():
   assert metrics.peak_flops_per_second([Device("NVIDIA H100 80GB HBM3")] * 8) == 8 * 989e12
   assert metrics.peak_flops_per_second([Device("NVIDIA H100 PCIe")]) == 756e12
   assert metrics.peak_flops_per_second([Device("cpu")]) is None
+  # A figure the user binds (train.peak_flops_per_device) wins over the table.
+  assert metrics.peak_flops_per_second([Device("cpu")] * 2, per_device=5e11) == 1e12
+  assert metrics.peak_flops_per_second([Device("NVIDIA H100 PCIe")], per_device=1e12) == 1e12
+
+
+def test_a_peak_that_is_not_positive_is_refused_before_anything_runs(tmp_path):
+  from t5lite import train as train_lib
+  model_dir = tmp_path / "never-written"
+  with pytest.raises(ValueError, match="peak_flops_per_device must be a positive"):
+    train_lib.train(model=None, train_dataset_cfg=None, partitioner=None, trainer_cls=None,
+                    model_dir=str(model_dir), total_steps=1, peak_flops_per_device=0.0)
+  assert not model_dir.exists()
 
 
 # ---------------------------------------------------------------------------
