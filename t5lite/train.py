@@ -819,10 +819,11 @@ def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_c
         model=model, cfg=infer_cfg, partitioner=partitioner,
         params_shardings=specs.shardings.params, output_dir=model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
-  return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer,
-               writer=writer, progress=_progress(model, data, start, end, peak_flops_per_device), periods=periods,
-               evaluator=evaluator, infer_evaluator=infer_evaluator, actions=actions,
-               train_task=train_task, total_steps=end)
+  progress = _progress(model, data, start, end, peak_flops_per_device)
+  return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
+               progress=progress, periods=periods, evaluator=evaluator,
+               infer_evaluator=infer_evaluator, actions=actions, train_task=train_task,
+               total_steps=end)
 
 
 def _progress(model: Any, data: TrainData, start: int, end: int,
