@@ -133,19 +133,18 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
              model_dir: str, total_steps: int, eval_steps: int, eval_period: int,
              relative_steps: int | None, stats_period: int | None, random_seed: int | None,
              actions: Mapping[str, Any] | None, run_eval_before_training: bool,
-             gc_period: int, **unused: Any) -> Report:
+             gc_period: int, peak_flops_per_device: float | None,
+             **unused: Any) -> Report:
   """The dry run's findings for `train()`'s arguments (see `run`)."""
   del unused  # loop options (prefetching, config summary) change nothing here
   # A seed drawn from the clock changes no shape, so any seed will do.
-  trainer = trainer_cls(model=model, partitioner=partitioner,
-                        dropout_seed=0 if random_seed is None else random_seed)
-  periods = train_lib.validate(
-      model=model, train_dataset_cfg=train_dataset_cfg, model_dir=model_dir,
-      train_eval_dataset_cfg=train_eval_dataset_cfg,
+  trainer, periods = train_lib.checked_setup(
+      model=model, trainer_cls=trainer_cls, seed=0 if random_seed is None else random_seed,
+      train_dataset_cfg=train_dataset_cfg, train_eval_dataset_cfg=train_eval_dataset_cfg,
       infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
-      partitioner=partitioner, trainer=trainer, actions=actions,
-      periods_kwargs=dict(total_steps=total_steps, eval_period=eval_period,
-                          gc_period=gc_period, stats_period=stats_period))
+      partitioner=partitioner, model_dir=model_dir, actions=actions, total_steps=total_steps,
+      eval_period=eval_period, gc_period=gc_period, stats_period=stats_period,
+      peak_flops_per_device=peak_flops_per_device)
   shapes, types = model_input_shapes(model, train_dataset_cfg)
   specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
   partitioner.check_divisible(specs.abstract, specs.logical)

@@ -776,6 +776,34 @@ def train(*,
     ValueError: invalid configuration, before anything compiles or is written.
   """
   seed = _resolve_seed(random_seed)
+  trainer, periods = checked_setup(
+      model=model, trainer_cls=trainer_cls, seed=seed, train_dataset_cfg=train_dataset_cfg,
+      train_eval_dataset_cfg=train_eval_dataset_cfg,
+      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
+      partitioner=partitioner, model_dir=model_dir, actions=actions, total_steps=total_steps,
+      eval_period=eval_period, gc_period=gc_period, stats_period=stats_period,
+      peak_flops_per_device=peak_flops_per_device)
+  return _run(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
+              train_cfg=train_dataset_cfg, eval_cfg=train_eval_dataset_cfg,
+              infer_cfg=infer_eval_dataset_cfg,
+              actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
+              relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
+              run_eval_before_training=run_eval_before_training,
+              prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
+              summarize_config_fn=summarize_config_fn)
+
+
+def checked_setup(*, model: Any, trainer_cls: Callable[..., Any], seed: int,
+                  train_dataset_cfg: DatasetConfig,
+                  train_eval_dataset_cfg: DatasetConfig | None,
+                  infer_eval_dataset_cfg: DatasetConfig | None,
+                  checkpoint_cfg: CheckpointConfig, partitioner: Partitioner, model_dir: str,
+                  actions: Mapping[str, Any] | None, total_steps: int, eval_period: int,
+                  gc_period: int, stats_period: int | None,
+                  peak_flops_per_device: float | None) -> tuple[Any, Periods]:
+  """The trainer and the periods of a `train()` call, after every check that
+  needs no compile. `train()` and its dry run both start here, so the dry run
+  refuses exactly what training refuses."""
   if peak_flops_per_device is not None and not peak_flops_per_device > 0:
     raise ValueError(f"train.peak_flops_per_device must be a positive FLOP/s figure or None, "
                      f"got {peak_flops_per_device!r}.")
@@ -787,14 +815,7 @@ def train(*,
       partitioner=partitioner, trainer=trainer, actions=actions,
       periods_kwargs=dict(total_steps=total_steps, eval_period=eval_period,
                           gc_period=gc_period, stats_period=stats_period))
-  return _run(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
-              train_cfg=train_dataset_cfg, eval_cfg=train_eval_dataset_cfg,
-              infer_cfg=infer_eval_dataset_cfg,
-              actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
-              relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
-              run_eval_before_training=run_eval_before_training,
-              prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
-              summarize_config_fn=summarize_config_fn)
+  return trainer, periods
 
 
 def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None

@@ -2,6 +2,7 @@
 config, its schedule against the loop's rules, and its memory estimate."""
 
 import math
+import io
 import os
 import re
 import subprocess
@@ -25,13 +26,6 @@ def run_cli(args, cwd, script="t5lite-train", env=None):
              **(env or {}))
   return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)
-
-
-@pytest.fixture
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
 
 
 def train_arguments(args):
@@ -153,6 +147,19 @@ def test_dry_run_stops_on_what_training_stops_on(tmp_path):
   refused = run_cli([*TINY, "--dry_run"], cwd=str(tmp_path), script="t5lite-eval")
   assert refused.returncode == 2
   assert "--dry_run is a t5lite-train flag" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_dry_run_shares_train_checks_in_process(tmp_path, clean_gin):
+  # train() and the dry run start from the same checked setup: a setting
+  # train() refuses before any work, the dry run refuses with the same line.
+  kwargs = train_arguments([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                            "--gin.train_lib.train.peak_flops_per_device=0.0"])
+  message = "peak_flops_per_device must be a positive FLOP/s figure"
+  with pytest.raises(ValueError, match=message):
+    dry_run.run(out=io.StringIO(), **kwargs)
+  with pytest.raises(ValueError, match=message):
+    train_lib.train(**kwargs)
+  assert not os.path.exists(tmp_path / "run")
 
 
 # ---------------------------------------------------------------------------
