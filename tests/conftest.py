@@ -1,6 +1,19 @@
-"""Test order: modules with slow end-to-end cases first, so that the two
+"""Shared fixtures, and the test order.
+
+Test order: modules with slow end-to-end cases first, so that the two
 `make test` workers end together instead of one running a long case alone
 at the end. Each module stays in one piece (its fixtures are set up once)."""
+
+import gin
+import pytest
+
+
+@pytest.fixture
+def clean_gin():
+  """An empty gin config before and after the test."""
+  gin.config.clear_config(clear_constants=True)
+  yield
+  gin.config.clear_config(clear_constants=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,13 +43,6 @@ def scalars(logdir, tag):
 # Gin precedence, in-process
 
 
-@pytest.fixture
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
-
-
 def _write(path, text):
   path.write_text(text)
   return str(path)

@@ -1,6 +1,5 @@
 """An unknown gin name fails in one line that names the closest valid name."""
 
-import gin
 import pytest
 
 from t5lite import cli
@@ -9,13 +8,6 @@ from test_cli import TINY, run_cli
 HEADER = ("from __gin__ import dynamic_registration\n"
           "from t5lite import checkpoints\n"
           "from t5lite.models import transformer\n")
-
-
-@pytest.fixture
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
 
 
 def _parse_bindings(*bindings):

@@ -25,11 +25,8 @@ BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
                if f.startswith(("gin/learners/", "gin/mixtures/"))}}
 
 
-@pytest.fixture(autouse=True)
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
+# Every test here parses gin files: each starts and ends with a clean config.
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 def test_found_the_shipped_files():

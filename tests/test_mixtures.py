@@ -90,13 +90,6 @@ def test_other_declaration_errors(two_tasks):
     datasets.register_mixture("m", {"t5lite_arithmetic": 1.0, "t5lite_arithmetic_spm": 1.0})
 
 
-@pytest.fixture
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
-
-
 def test_shipped_mixture_gin_registers_a_valid_training_mixture(clean_gin):
   cli.parse_gin(["gin/pretrain_dense.gin", "gin/mixtures/span_corruption_and_arithmetic.gin"],
                 ["MODEL_DIR = '/tmp/unused'"], cli.gin_search_paths([]))

@@ -397,13 +397,6 @@ def test_schedule_errors():
 # The shipped recipes
 
 
-@pytest.fixture
-def clean_gin():
-  gin.config.clear_config(clear_constants=True)
-  yield
-  gin.config.clear_config(clear_constants=True)
-
-
 def _recipe_optimizer(recipe, bindings=()):
   cli.parse_gin(["gin/pretrain_dense.gin", f"gin/learners/{recipe}.gin"],
                 ["MODEL_DIR = '/tmp/unused'", *bindings], cli.gin_search_paths([]))
