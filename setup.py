@@ -30,6 +30,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
+    "safetensors==0.8.0",
     "sentencepiece==0.2.3",
     "seqio==0.0.20",
     "tensorboard==2.21.0",

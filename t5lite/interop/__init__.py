@@ -1,0 +1,160 @@
+"""Foreign checkpoints: T5X (both formats) and Hugging Face folders.
+
+This package is the only place that knows a foreign format. Each reader
+turns its checkpoint into t5lite's unscanned parameter names with t5lite's
+shapes, as `lazy.LazyArray`s (`t5x.to_t5lite`, `huggingface.to_t5lite`);
+`load_params` then fits them to the model being built (stacking layers for
+`scan_layers`, blocks for scanned MoE stacks), checks every name and shape
+before reading anything, and reads each array straight into its target
+sharding.
+
+Callers ask `checkpoint_format(path)` whether a restore path is foreign and,
+if so, call `load_params` instead of restoring an Orbax checkpoint of
+t5lite's own.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+
+from t5lite.interop import huggingface
+from t5lite.interop import lazy
+from t5lite.interop import t5x
+
+T5X = "t5x"
+HUGGING_FACE = "huggingface"
+_MAX_PROBLEMS = 3
+
+
+def checkpoint_format(path: str | None) -> str | None:
+  """'t5x', 'huggingface', or None for anything else (t5lite's own, or nothing)."""
+  if not path:
+    return None
+  if huggingface.is_huggingface(path):
+    return HUGGING_FACE
+  if t5x.is_t5x(path):
+    return T5X
+  return None
+
+
+def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
+  """Opens a foreign checkpoint.
+
+  Returns:
+    (t5lite unscanned path -> LazyArray, a one-line description of the source).
+
+  Raises:
+    ValueError: not a foreign checkpoint, or unreadable.
+  """
+  kind = checkpoint_format(path)
+  if kind == HUGGING_FACE:
+    folder = huggingface.HuggingFaceFolder(path)
+    return huggingface.to_t5lite(folder), f"Hugging Face {folder.model_type} folder {path}"
+  if kind == T5X:
+    checkpoint = t5x.T5xCheckpoint(path)
+    return (t5x.to_t5lite(checkpoint),
+            f"T5X {checkpoint.format} checkpoint {checkpoint.path} (step {checkpoint.step})")
+  raise ValueError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
+                   "Face folder (config.json + *.safetensors).")
+
+
+def _flatten(tree: Any) -> dict[str, Any]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
+
+
+def _block_interval(targets: dict[str, Any], stack: str) -> int:
+  """Layers per scanned block of a scanned MoE stack (`stack/layers/layers_{j}`)."""
+  positions = {int(m.group(1)) for name in targets
+               if (m := re.match(rf"{stack}/layers/layers_(\d+)/", name))}
+  return max(positions) + 1
+
+
+def _source_names(name: str, target: Any, targets: dict[str, Any]) -> list[str]:
+  """The unscanned source names one target parameter is made of, in order.
+
+  One name for an unscanned parameter; one per layer (or per block) for a
+  parameter of a scanned stack, which stacks them on its leading axis.
+  """
+  block = re.fullmatch(r"(encoder|decoder)/layers/layers_(\d+)/(.*)", name)
+  scanned = re.fullmatch(r"(encoder|decoder)/layers/(.*)", name)
+  if block:
+    stack, j, rest = block.group(1), int(block.group(2)), block.group(3)
+    interval = _block_interval(targets, stack)
+    wanted = [f"{stack}/layers_{b * interval + j}/{rest}" for b in range(target.shape[0])]
+  elif scanned:
+    stack, rest = scanned.groups()
+    wanted = [f"{stack}/layers_{i}/{rest}" for i in range(target.shape[0])]
+  else:
+    wanted = [name]
+  return wanted
+
+
+def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: str
+         ) -> dict[str, lazy.LazyArray]:
+  """Matches every model parameter with the checkpoint, before reading any data.
+
+  Args:
+    sources: from `read_foreign`.
+    abstract_params: the model's parameter tree (ShapeDtypeStructs).
+    description: the source, for messages.
+
+  Returns:
+    model parameter path -> LazyArray of exactly its shape.
+
+  Raises:
+    ValueError: naming up to three problems: a parameter missing from the
+      checkpoint, an array the model has no place for (another
+      architecture), or a shape that differs from the gin file's.
+  """
+  targets = _flatten(abstract_params)
+  used, chosen, problems = set(), {}, []
+  for name, target in targets.items():
+    wanted = [name] if name in sources else _source_names(name, target, targets)
+    used.update(wanted)
+    missing = [w for w in wanted if w not in sources]
+    if missing:
+      problems.append(f"{missing[0]} is missing from the checkpoint")
+      continue
+    found = sources[name] if wanted == [name] else lazy.stack([sources[w] for w in wanted])
+    if tuple(found.shape) != tuple(target.shape):
+      problems.append(f"{found.origin} is {tuple(found.shape)} but the model (gin file) "
+                      f"has {name} {tuple(target.shape)}")
+    chosen[name] = found
+  extra = sorted(set(sources) - used)
+  problems += [f"{sources[name].origin} has no place in the model" for name in extra]
+  if problems:
+    more = f" (and {len(problems) - _MAX_PROBLEMS} more)" if len(problems) > _MAX_PROBLEMS else ""
+    raise ValueError(f"{description} does not match the model: "
+                     + "; ".join(problems[:_MAX_PROBLEMS]) + more
+                     + ". Use the gin file `t5lite-import` writes for this checkpoint.")
+  return chosen
+
+
+def load_params(path: str, abstract_params: Any) -> Any:
+  """Reads a foreign checkpoint's parameters into the model's sharded tree.
+
+  Args:
+    path: a T5X checkpoint or a Hugging Face folder.
+    abstract_params: the model's parameter tree of ShapeDtypeStructs with
+      their target shardings.
+
+  Returns:
+    A tree like `abstract_params` of jax.Arrays, each read region by region
+    into its sharding (a process reads only what its devices hold).
+
+  Raises:
+    ValueError: see `read_foreign` and `plan`; nothing is read before every
+      parameter has been matched.
+  """
+  sources, description = read_foreign(path)
+  chosen = plan(sources, abstract_params, description)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  leaves = []
+  for key_path, target in flat:
+    name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+    leaves.append(lazy.materialize(chosen[name], target))
+  return jax.tree_util.tree_unflatten(treedef, leaves)

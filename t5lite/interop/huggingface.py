@@ -1,0 +1,428 @@
+"""Hugging Face T5 / mT5 / ByT5 / Switch Transformers folders, in and out.
+
+A folder is `config.json` plus `model.safetensors` (or shards listed in
+`model.safetensors.index.json`), and `spiece.model` for SentencePiece
+models. Weights are read with safetensors' numpy API, region by region (see
+`lazy`); a `pytorch_model.bin` is a pickle and is never loaded.
+
+One table, `name_pairs`, says which Hugging Face arrays make each t5lite
+parameter and how (`_KINDS`); import reads it one way and export the other,
+so the two cannot drift apart. The facts it encodes: torch weights are
+`[out, in]` (transposed here); q/k/v/o are `[heads*d_kv, d_model]`
+heads-major; the relative-position table lives in block 0 of each stack as
+`[buckets, heads]` (t5lite: `[heads, buckets]`); Switch experts are
+separate modules `experts.expert_{e}` (t5lite stacks them on a leading
+EXPERT axis) and the router is `router.classifier` `[experts, d_model]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from t5lite.interop import lazy
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SPIECE = "spiece.model"
+_PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.bin")
+MODEL_TYPES = ("t5", "mt5", "switch_transformers")
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F64": np.float64}
+# Hugging Face feed_forward_proj -> t5lite mlp_activations. HF's non-gated
+# 'gelu' is the exact (erf) GELU; 'gated-gelu' uses the tanh approximation.
+_ACTIVATIONS = {"relu": ("relu",), "gelu": ("gelu_exact",), "gated-gelu": ("gelu", "linear"),
+                "gated-relu": ("relu", "linear"), "gated-silu": ("silu", "linear"),
+                "silu": ("silu",)}
+_ACTIVATION_NAMES = {v: k for k, v in _ACTIVATIONS.items()}
+# Tied copies of `shared.weight` some savers write; never read.
+_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def is_huggingface(path: str) -> bool:
+  """Whether `path` is a folder with a Hugging Face `config.json`."""
+  return os.path.isfile(os.path.join(path, CONFIG))
+
+
+def _read_json(file: str) -> dict[str, Any]:
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{file} is not readable JSON ({e}).") from None
+
+
+class HuggingFaceFolder:
+  """A Hugging Face model folder, opened for reading.
+
+  Attributes:
+    path: the folder.
+    config: the parsed config.json.
+    model_type: 't5', 'mt5' or 'switch_transformers'.
+    files: safetensors file of each array name.
+  """
+
+  def __init__(self, path: str):
+    self.path = os.path.abspath(path)
+    self.config = _read_json(os.path.join(self.path, CONFIG))
+    self.model_type = self.config.get("model_type")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"{os.path.join(self.path, CONFIG)} has model_type "
+                       f"{self.model_type!r}; t5lite imports {', '.join(MODEL_TYPES)}.")
+    self.files = self._weight_files()
+    self._handles: dict[str, Any] = {}
+
+  def _weight_files(self) -> dict[str, str]:
+    index = os.path.join(self.path, INDEX)
+    if os.path.isfile(index):
+      weight_map = _read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map.")
+      return {name: os.path.join(self.path, file) for name, file in weight_map.items()}
+    single = os.path.join(self.path, WEIGHTS)
+    if os.path.isfile(single):
+      return {name: single for name in self._open(single).keys()}
+    pickles = [p for p in _PICKLES if os.path.exists(os.path.join(self.path, p))]
+    if pickles:
+      raise ValueError(
+          f"{os.path.join(self.path, pickles[0])} is a pickle, which t5lite never loads; "
+          "convert it to safetensors first (in transformers: model.save_pretrained(folder, "
+          "safe_serialization=True)).")
+    raise ValueError(f"{self.path} has no {WEIGHTS} or {INDEX}.")
+
+  def _open(self, file: str) -> Any:
+    if file not in self._handles:
+      try:
+        self._handles[file] = safe_open(file, framework="np")
+      except Exception as e:  # safetensors raises its own error types.
+        raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
+    return self._handles[file]
+
+  def array(self, name: str) -> lazy.LazyArray:
+    """The named array, read lazily.
+
+    Raises:
+      ValueError: the array is not in the folder, or has an unsupported dtype.
+    """
+    if name not in self.files:
+      raise KeyError(name)
+    file = self.files[name]
+    handle = self._open(file)
+    try:
+      region = handle.get_slice(name)
+    except Exception as e:  # a name the index promises but the file lacks.
+      raise ValueError(f"{file} does not hold {name} ({e}).") from None
+    dtype = region.get_dtype()
+    if dtype not in _DTYPES:
+      raise ValueError(f"{file}: {name} has dtype {dtype}; t5lite reads "
+                       f"{', '.join(_DTYPES)}.")
+
+    def reader(index: lazy.Index) -> np.ndarray:
+      try:
+        return np.asarray(region[index])
+      except Exception as e:  # a truncated file fails here.
+        raise ValueError(f"{file}: {name} cannot be read ({e}).") from None
+
+    return lazy.LazyArray(tuple(region.get_shape()), np.dtype(_DTYPES[dtype]), reader,
+                          f"{file} array {name}")
+
+  def vocabulary(self) -> tuple[str, str | None]:
+    """('sentencepiece', path of spiece.model) or ('byte', None)."""
+    spiece = os.path.join(self.path, SPIECE)
+    if os.path.isfile(spiece):
+      return "sentencepiece", spiece
+    return "byte", None
+
+
+def _get(config: dict[str, Any], key: str, default: Any = None) -> Any:
+  value = config.get(key, default)
+  if value is None:
+    raise ValueError(f"config.json has no {key!r}.")
+  return value
+
+
+def model_config(folder: HuggingFaceFolder) -> dict[str, Any]:
+  """t5lite `TransformerConfig` fields of the folder's model.
+
+  Raises:
+    ValueError: a feature t5lite does not have (an unknown activation, a
+      norm epsilon other than 1e-6, Switch sparse layers placed other than
+      in every layer or every other layer starting at layer 1).
+  """
+  c = folder.config
+  proj = c.get("feed_forward_proj", "relu")
+  if proj not in _ACTIVATIONS:
+    raise ValueError(f"config.json feed_forward_proj {proj!r} is not one of "
+                     f"{sorted(_ACTIVATIONS)}.")
+  if abs(float(c.get("layer_norm_epsilon", 1e-6)) - 1e-6) > 1e-12:
+    raise ValueError(f"config.json layer_norm_epsilon {c['layer_norm_epsilon']} differs from "
+                     "t5lite's RMSNorm epsilon 1e-6.")
+  num_layers = _get(c, "num_layers")
+  fields = {
+      "vocab_size": _get(c, "vocab_size"), "emb_dim": _get(c, "d_model"),
+      "num_heads": _get(c, "num_heads"), "num_encoder_layers": num_layers,
+      "num_decoder_layers": c.get("num_decoder_layers") or num_layers,
+      "head_dim": _get(c, "d_kv"), "mlp_dim": _get(c, "d_ff"),
+      "relative_attention_num_buckets": c.get("relative_attention_num_buckets", 32),
+      "relative_attention_max_distance": c.get("relative_attention_max_distance", 128),
+      "logits_via_embedding": bool(c.get("tie_word_embeddings", True)),
+      "mlp_activations": _ACTIVATIONS[proj],
+  }
+  if folder.model_type == "switch_transformers":
+    fields.update(_switch_fields(c, fields))
+  return fields
+
+
+def _sparse_step(num_layers: int, num_sparse: int) -> int:
+  """Hugging Face's sparse step: block i is sparse when i % step == 1 (all if 1)."""
+  return num_layers // num_sparse if num_sparse > 0 else 0
+
+
+def _switch_fields(c: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+  steps = {_sparse_step(fields["num_encoder_layers"], c.get("num_sparse_encoder_layers", 0)),
+           _sparse_step(fields["num_decoder_layers"], c.get("num_sparse_decoder_layers", 0))}
+  if len(steps) != 1 or steps.pop() not in (1, 2):
+    raise ValueError(
+        "config.json places Switch experts with sparse steps "
+        f"{sorted(steps)}; t5lite places them in every layer (step 1) or in layers 1, 3, "
+        "5, ... (step 2) of both stacks.")
+  step = _sparse_step(fields["num_encoder_layers"], c.get("num_sparse_encoder_layers", 0))
+  if c.get("router_bias", False):
+    raise ValueError("config.json has router_bias=true; t5lite's router has no bias.")
+  return {"num_experts": _get(c, "num_experts"), "num_selected_experts": 1,
+          "moe_layer_interval": step, "expert_capacity": _get(c, "expert_capacity"),
+          "renormalize_router_weights": False, "group_size": None,
+          "expert_mlp_dim": fields["mlp_dim"],
+          "router_jitter_noise": float(c.get("router_jitter_noise", 0.0))}
+
+
+def _is_moe_layer(fields: dict[str, Any], index: int) -> bool:
+  interval = fields.get("moe_layer_interval", 0)
+  return bool(fields.get("num_experts")) and (index + 1) % interval == 0
+
+
+def _mlp_names(fields: dict[str, Any]) -> tuple[str, ...]:
+  n = len(fields["mlp_activations"])
+  return ("wi",) if n == 1 else tuple(f"wi_{i}" for i in range(n))
+
+
+# How a t5lite parameter is made of Hugging Face arrays:
+#   copy     same array (norm scales, the embedding)
+#   T        transposed 2-D weight
+#   qkv      [heads*d_kv, d_model] -> [d_model, heads, d_kv]
+#   out      [d_model, heads*d_kv] -> [heads, d_kv, d_model]
+#   experts  E arrays [out, in], each transposed, stacked -> [E, in, out]
+_KINDS = ("copy", "T", "qkv", "out", "experts")
+
+
+def _attention_pairs(hf: str, ours: str) -> list[tuple[str, list[str], str]]:
+  pairs = [(f"{ours}/{o}/kernel", [f"{hf}.{h}.weight"], "qkv")
+           for h, o in (("q", "query"), ("k", "key"), ("v", "value"))]
+  return pairs + [(f"{ours}/out/kernel", [f"{hf}.o.weight"], "out")]
+
+
+def _mlp_pairs(fields: dict[str, Any], hf: str, ours: str, index: int, switch: bool
+               ) -> list[tuple[str, list[str], str]]:
+  names = _mlp_names(fields) + ("wo",)
+  if _is_moe_layer(fields, index):
+    experts = range(fields["num_experts"])
+    pairs = [(f"{ours}/moe/router/kernel", [f"{hf}.mlp.router.classifier.weight"], "T")]
+    return pairs + [(f"{ours}/moe/{n}", [f"{hf}.mlp.experts.expert_{e}.{n}.weight"
+                                          for e in experts], "experts") for n in names]
+  module = "mlp" if switch else "DenseReluDense"
+  return [(f"{ours}/mlp/{n}/kernel", [f"{hf}.{module}.{n}.weight"], "T") for n in names]
+
+
+def name_pairs(fields: dict[str, Any], switch: bool) -> list[tuple[str, list[str], str]]:
+  """(t5lite unscanned name, Hugging Face names, kind) for every parameter.
+
+  Args:
+    fields: `TransformerConfig` fields of an encoder-decoder (see
+      `model_config`).
+    switch: Switch Transformers naming (`mlp` instead of `DenseReluDense`).
+  """
+  pairs = [("token_embedder/embedding", ["shared.weight"], "copy")]
+  for stack, depth in (("encoder", fields["num_encoder_layers"]),
+                       ("decoder", fields["num_decoder_layers"])):
+    pairs.append((f"{stack}/relpos_bias/rel_embedding",
+                  [f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"], "T"))
+    norm = "encoder_norm" if stack == "encoder" else "decoder_norm"
+    pairs.append((f"{stack}/{norm}/scale", [f"{stack}.final_layer_norm.weight"], "copy"))
+    for i in range(depth):
+      hf, ours = f"{stack}.block.{i}.layer", f"{stack}/layers_{i}"
+      if stack == "encoder":
+        pairs += _attention_pairs(f"{hf}.0.SelfAttention", f"{ours}/attention")
+        pairs.append((f"{ours}/pre_attention_layer_norm/scale", [f"{hf}.0.layer_norm.weight"],
+                      "copy"))
+        mlp = 1
+      else:
+        pairs += _attention_pairs(f"{hf}.0.SelfAttention", f"{ours}/self_attention")
+        pairs.append((f"{ours}/pre_self_attention_layer_norm/scale",
+                      [f"{hf}.0.layer_norm.weight"], "copy"))
+        pairs += _attention_pairs(f"{hf}.1.EncDecAttention", f"{ours}/encoder_decoder_attention")
+        pairs.append((f"{ours}/pre_cross_attention_layer_norm/scale",
+                      [f"{hf}.1.layer_norm.weight"], "copy"))
+        mlp = 2
+      pairs += _mlp_pairs(fields, f"{hf}.{mlp}", ours, i, switch)
+      pairs.append((f"{ours}/pre_mlp_layer_norm/scale", [f"{hf}.{mlp}.layer_norm.weight"],
+                    "copy"))
+  if not fields["logits_via_embedding"]:
+    pairs.append(("decoder/logits_dense/kernel", ["lm_head.weight"], "T"))
+  return pairs
+
+
+def _import_one(arrays: list[lazy.LazyArray], kind: str, heads: int) -> lazy.LazyArray:
+  if kind == "copy":
+    return arrays[0]
+  if kind == "T":
+    return lazy.transpose(arrays[0])
+  if kind == "qkv":
+    x = lazy.transpose(arrays[0])
+    return lazy.split_axis(x, 1, (heads, x.shape[1] // heads))
+  if kind == "out":
+    x = lazy.transpose(arrays[0])
+    return lazy.split_axis(x, 0, (heads, x.shape[0] // heads))
+  return lazy.stack([lazy.transpose(a) for a in arrays])
+
+
+def to_t5lite(folder: HuggingFaceFolder) -> dict[str, lazy.LazyArray]:
+  """The folder's weights under t5lite's unscanned names and shapes.
+
+  Raises:
+    ValueError: an array the config calls for is missing, or the folder
+      holds arrays this architecture has no place for.
+  """
+  fields = model_config(folder)
+  switch = folder.model_type == "switch_transformers"
+  out, used, missing = {}, set(), []
+  for ours, names, kind in name_pairs(fields, switch):
+    absent = [n for n in names if n not in folder.files]
+    if absent:
+      missing.append(absent[0])
+      continue
+    used.update(names)
+    out[ours] = _import_one([folder.array(n) for n in names], kind, fields["num_heads"])
+  extra = sorted(set(folder.files) - used - set(_IGNORED)
+                 - ({"lm_head.weight"} if fields["logits_via_embedding"] else set()))
+  if missing or extra:
+    problems = [f"{n} is missing" for n in missing[:3]] + [
+        f"{n} has no place in a {folder.model_type} model of this config.json"
+        for n in extra[:3]]
+    raise ValueError(f"{folder.path} does not match its config.json: " + "; ".join(problems)
+                     + ".")
+  return out
+
+
+def _export_one(values: list[np.ndarray], kind: str) -> list[np.ndarray]:
+  """t5lite parameter -> its Hugging Face arrays (inverse of `_import_one`)."""
+  (value,) = values
+  if kind == "copy":
+    return [value]
+  if kind == "T":
+    return [value.T]
+  if kind == "qkv":  # [d_model, heads, d_kv] -> [heads*d_kv, d_model]
+    return [value.reshape(value.shape[0], -1).T]
+  if kind == "out":  # [heads, d_kv, d_model] -> [d_model, heads*d_kv]
+    return [value.reshape(-1, value.shape[-1]).T]
+  return [expert.T for expert in value]
+
+
+def hf_config(fields: dict[str, Any]) -> dict[str, Any]:
+  """The config.json of a t5lite encoder-decoder's Hugging Face counterpart.
+
+  Raises:
+    ValueError: the model has no Hugging Face counterpart.
+  """
+  activations = tuple(fields["mlp_activations"])
+  if activations not in _ACTIVATION_NAMES:
+    raise ValueError(f"mlp_activations {activations} has no Hugging Face T5 counterpart; "
+                     f"those are {sorted(_ACTIVATIONS.values())}.")
+  config = {
+      "model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+      "vocab_size": fields["vocab_size"], "d_model": fields["emb_dim"],
+      "d_kv": fields["head_dim"], "d_ff": fields["mlp_dim"], "num_heads": fields["num_heads"],
+      "num_layers": fields["num_encoder_layers"],
+      "num_decoder_layers": fields["num_decoder_layers"],
+      "relative_attention_num_buckets": fields["relative_attention_num_buckets"],
+      "relative_attention_max_distance": fields["relative_attention_max_distance"],
+      "feed_forward_proj": _ACTIVATION_NAMES[activations], "layer_norm_epsilon": 1e-6,
+      "tie_word_embeddings": bool(fields["logits_via_embedding"]),
+      "dropout_rate": fields.get("dropout_rate", 0.0), "initializer_factor": 1.0,
+      "is_encoder_decoder": True, "pad_token_id": 0, "eos_token_id": 1,
+      "decoder_start_token_id": 0, "torch_dtype": "float32",
+  }
+  if fields.get("num_experts"):
+    config.update(_switch_config(fields, activations))
+  return config
+
+
+def _switch_config(fields: dict[str, Any], activations: tuple[str, ...]) -> dict[str, Any]:
+  problems = []
+  if fields.get("num_selected_experts") != 1:
+    problems.append(f"top-{fields.get('num_selected_experts')} routing (Switch is top-1)")
+  if fields.get("renormalize_router_weights", True):
+    problems.append("renormalize_router_weights=True (Switch scales by the probability)")
+  if fields.get("moe_layer_interval") not in (1, 2):
+    problems.append(f"moe_layer_interval={fields.get('moe_layer_interval')} (Switch: 1 or 2)")
+  if not fields.get("expert_capacity"):
+    problems.append("no fixed expert_capacity")
+  if activations != ("relu",) or (fields.get("expert_mlp_dim") or fields["mlp_dim"]) != (
+      fields["mlp_dim"]):
+    problems.append("experts other than ReLU experts of width mlp_dim")
+  if not fields["logits_via_embedding"]:
+    problems.append("untied logits (Switch ties them)")
+  if problems:
+    raise ValueError("This MoE model has no Hugging Face Switch Transformers counterpart: "
+                     + "; ".join(problems) + ".")
+  step = fields["moe_layer_interval"]
+  return {
+      "model_type": "switch_transformers",
+      "architectures": ["SwitchTransformersForConditionalGeneration"],
+      "num_experts": fields["num_experts"], "expert_capacity": fields["expert_capacity"],
+      "num_sparse_encoder_layers": fields["num_encoder_layers"] // step,
+      "num_sparse_decoder_layers": fields["num_decoder_layers"] // step,
+      "router_bias": False, "router_jitter_noise": fields.get("router_jitter_noise", 0.0),
+      "router_dtype": "float32", "router_ignore_padding_tokens": False,
+      "router_z_loss_coef": 0.001, "router_aux_loss_coef": 0.001,
+  }
+
+
+def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: str,
+           spiece_model: str | None = None) -> list[str]:
+  """Writes a Hugging Face folder of an unscanned t5lite encoder-decoder.
+
+  Args:
+    params: t5lite unscanned parameter path -> host array.
+    fields: the model's `TransformerConfig` fields.
+    output_dir: the folder to write (created).
+    spiece_model: a SentencePiece model to copy as `spiece.model`, or None.
+
+  Returns:
+    The files written.
+
+  Raises:
+    ValueError: the model has no Hugging Face counterpart.
+  """
+  config = hf_config(fields)
+  tensors = {}
+  for ours, names, kind in name_pairs(fields, bool(fields.get("num_experts"))):
+    for name, value in zip(names, _export_one([np.asarray(params[ours])], kind)):
+      tensors[name] = np.ascontiguousarray(value, dtype=np.float32)
+  os.makedirs(output_dir, exist_ok=True)
+  written = [os.path.join(output_dir, CONFIG), os.path.join(output_dir, WEIGHTS)]
+  with open(written[0], "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  save_file(tensors, written[1], metadata={"format": "pt"})
+  if spiece_model:
+    target = os.path.join(output_dir, SPIECE)
+    with open(spiece_model, "rb") as src, open(target, "wb") as dst:
+      dst.write(src.read())
+    written.append(target)
+  return written

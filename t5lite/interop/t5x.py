@@ -1,0 +1,224 @@
+"""T5X checkpoints: both on-disk formats, mapped to t5lite's parameter names.
+
+T5X writes a step directory `checkpoint_<step>/` in one of two formats:
+
+- Orbax (current T5X): `state/` holds every array of `TrainState.state_dict()`
+  in zarr under an OCDBT key-value store (or one zarr directory per array in
+  older Orbax), named by the dotted tree path (`target.encoder.layers_0...`).
+- Legacy (the public T5X checkpoints): a msgpack file `checkpoint` whose
+  leaves are either small arrays inlined in the file or tensorstore specs of
+  zarr directories beside it.
+
+Both are opened with tensorstore, one array at a time and one region at a
+time (see `lazy`), so a process reads only the shards its devices hold.
+
+Names. T5X's `t5x/examples/t5` and `decoder_only` networks use the same
+names as t5lite, so the mapping only (a) drops the `target/` prefix and the
+optimizer slots (`state/param_states/...`, `state/step`), (b) moves the
+decoder-only embedding `decoder/token_embedder` to t5lite's top-level
+`token_embedder`, and (c) splits 2-D attention kernels `[embed,
+heads*head_dim]` into t5lite's `[embed, heads, head_dim]` (`out` the other
+way round), taking `heads` from the stack's relative-position table. Layers
+stacked on one axis (`encoder/layers/...`, T5X's scalable_t5 with
+`param_scan_axis`, 1 by default) are unstacked into `layers_{i}`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from typing import Any
+
+from flax import serialization
+import numpy as np
+import tensorstore as ts
+
+from t5lite.interop import lazy
+
+_ATTENTIONS = ("attention", "self_attention", "encoder_decoder_attention")
+_STEP_DIR = re.compile(r"checkpoint_(\d+)$")
+
+
+class T5xCheckpoint:
+  """One T5X step directory, opened for reading.
+
+  Attributes:
+    path: the `checkpoint_<step>` directory.
+    step: the training step it holds.
+    format: 'orbax' or 'legacy'.
+    arrays: T5X name (`target/encoder/...`, '/'-joined) -> LazyArray, for
+      the parameters only (optimizer slots are not opened).
+  """
+
+  def __init__(self, path: str):
+    self.path = find_step_dir(path)
+    self.step = int(_STEP_DIR.search(self.path).group(1))
+    if os.path.isfile(os.path.join(self.path, "checkpoint")):
+      self.format = "legacy"
+      self.arrays = _legacy_arrays(self.path)
+    elif os.path.isdir(os.path.join(self.path, "state")):
+      self.format = "orbax"
+      self.arrays = _orbax_arrays(os.path.join(self.path, "state"))
+    else:
+      raise ValueError(f"{self.path} is neither T5X format: it has no 'checkpoint' msgpack "
+                       "file and no Orbax 'state/' directory.")
+    if not self.arrays:
+      raise ValueError(f"{self.path} holds no model parameters (nothing under 'target').")
+
+
+def is_t5x(path: str) -> bool:
+  """Whether `path` is a T5X step directory or a directory of them."""
+  try:
+    find_step_dir(path)
+    return True
+  except ValueError:
+    return False
+
+
+def find_step_dir(path: str) -> str:
+  """The `checkpoint_<step>` directory named by `path` (the newest one under it).
+
+  Raises:
+    ValueError: `path` is neither a T5X step directory nor holds one.
+  """
+  path = os.path.abspath(path.rstrip("/"))
+  if _STEP_DIR.search(path) and os.path.isdir(path):
+    return path
+  steps = []
+  if os.path.isdir(path):
+    steps = [(int(m.group(1)), name) for name in os.listdir(path)
+             if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(os.path.join(path, name))]
+  if not steps:
+    raise ValueError(f"{path} is not a T5X checkpoint: no checkpoint_<step> directory there.")
+  return os.path.join(path, max(steps)[1])
+
+
+def _open_zarr(spec: dict[str, Any], origin: str) -> lazy.LazyArray:
+  try:
+    store = ts.open(spec, open=True, read=True).result()
+  except Exception as e:  # tensorstore raises ValueError or its own errors.
+    raise ValueError(f"{origin} cannot be read: {str(e).splitlines()[0]}") from None
+  return lazy.LazyArray(tuple(store.shape), np.dtype(store.dtype.numpy_dtype),
+                        lambda index: store[index].read().result(), origin)
+
+
+def _orbax_arrays(state_dir: str) -> dict[str, lazy.LazyArray]:
+  """Parameters of an Orbax `state/` item, named by their tree paths."""
+  metadata_file = os.path.join(state_dir, "_METADATA")
+  if not os.path.isfile(metadata_file):
+    raise ValueError(f"{state_dir} has no _METADATA file: an incomplete Orbax checkpoint.")
+  with open(metadata_file) as f:
+    tree = json.load(f).get("tree_metadata", {})
+  ocdbt = os.path.exists(os.path.join(state_dir, "manifest.ocdbt"))
+  arrays = {}
+  for key in tree:
+    names = [str(k) for k in ast.literal_eval(key)]
+    if names[0] != "target":
+      continue
+    dotted = ".".join(names)
+    if ocdbt:
+      kvstore = {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": dotted + "/"}
+    else:
+      kvstore = {"driver": "file", "path": os.path.join(state_dir, dotted) + "/"}
+    arrays["/".join(names)] = _open_zarr({"driver": "zarr", "kvstore": kvstore},
+                                         f"{state_dir} array {dotted}")
+  return arrays
+
+
+def _legacy_arrays(step_dir: str) -> dict[str, lazy.LazyArray]:
+  """Parameters of a legacy msgpack + tensorstore checkpoint."""
+  file = os.path.join(step_dir, "checkpoint")
+  with open(file, "rb") as f:
+    try:
+      contents = serialization.msgpack_restore(f.read())
+    except Exception as e:  # msgpack raises several unrelated types.
+      raise ValueError(f"{file} is not a readable T5X msgpack checkpoint ({e}).") from None
+  target = contents.get("optimizer", {}).get("target") if isinstance(contents, dict) else None
+  if not isinstance(target, dict):
+    raise ValueError(f"{file} has no optimizer/target tree: not a T5X checkpoint.")
+  arrays = {}
+
+  def visit(node: Any, names: list[str]) -> None:
+    if isinstance(node, dict) and "driver" not in node:
+      for key, child in node.items():
+        visit(child, names + [str(key)])
+      return
+    name = "/".join(["target"] + names)
+    if isinstance(node, dict):
+      spec = dict(node)
+      relative = spec["kvstore"]["path"]
+      spec["kvstore"] = {"driver": "file", "path": os.path.join(step_dir, relative)}
+      arrays[name] = _open_zarr(spec, f"{os.path.join(step_dir, relative.rstrip('/'))}")
+    else:
+      arrays[name] = lazy.from_numpy(np.asarray(node), f"{file} array {'.'.join(names)}")
+
+  visit(target, [])
+  return arrays
+
+
+def _heads_by_stack(params: dict[str, lazy.LazyArray]) -> dict[str, int]:
+  """Heads per stack, from the relative-position tables `[heads, buckets]`."""
+  heads = {}
+  for name, array in params.items():
+    match = re.fullmatch(r"(encoder|decoder)/(?:.*/)?(?:relpos_bias|relative_posemb)/"
+                         r"rel_embedding", name)
+    if match:
+      heads[match.group(1)] = array.shape[0]
+  return heads
+
+
+def _unstack_layers(params: dict[str, lazy.LazyArray], axis: int
+                    ) -> dict[str, lazy.LazyArray]:
+  """`stack/layers/<sub>` stacked on `axis` -> `stack/layers_{i}/<sub>`."""
+  out = {}
+  for name, array in params.items():
+    match = re.fullmatch(r"(encoder|decoder)/layers/(.*)", name)
+    if not match:
+      out[name] = array
+      continue
+    for i in range(array.shape[axis]):
+      out[f"{match.group(1)}/layers_{i}/{match.group(2)}"] = lazy.take(array, axis, i)
+  return out
+
+
+def to_t5lite(checkpoint: T5xCheckpoint, layers_axis: int = 1) -> dict[str, lazy.LazyArray]:
+  """The checkpoint's parameters under t5lite's unscanned names and shapes.
+
+  Args:
+    checkpoint: an opened T5X step directory.
+    layers_axis: the axis stacked layers are stacked on (T5X's
+      `param_scan_axis`); only read for checkpoints with `layers/` subtrees.
+
+  Returns:
+    t5lite parameter path (as in an unscanned t5lite model) -> LazyArray.
+
+  Raises:
+    ValueError: a per-layer relative-position table (t5lite keeps one per
+      stack), or an attention kernel whose heads cannot be found.
+  """
+  params = {name[len("target/"):]: array for name, array in checkpoint.arrays.items()}
+  params = _unstack_layers(params, layers_axis)
+  if any("relative_posemb" in name for name in params):
+    raise ValueError(f"{checkpoint.path} has a relative-position table in every layer "
+                     "(scalable_t5 'relative_posemb'); t5lite models share one table per "
+                     "stack, so this checkpoint cannot be imported.")
+  if "decoder/token_embedder/embedding" in params:
+    params["token_embedder/embedding"] = params.pop("decoder/token_embedder/embedding")
+  heads = _heads_by_stack(params)
+  out = {}
+  for name, array in params.items():
+    parts = name.split("/")
+    if len(array.shape) == 2 and len(parts) >= 3 and parts[-3] in _ATTENTIONS:
+      stack = parts[0]
+      if stack not in heads:
+        raise ValueError(f"{array.origin}: no relative-position table in {stack} to tell "
+                         "its number of heads.")
+      h = heads[stack]
+      if parts[-2] == "out":
+        array = lazy.split_axis(array, 0, (h, array.shape[0] // h))
+      else:
+        array = lazy.split_axis(array, 1, (h, array.shape[1] // h))
+    out[name] = array
+  return out
