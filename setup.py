@@ -55,6 +55,8 @@ setuptools.setup(
             "t5lite-eval=t5lite.cli:eval_main",
             "t5lite-infer=t5lite.cli:infer_main",
             "t5lite-vocab=t5lite.vocab_cli:main",
+            "t5lite-import=t5lite.import_cli:main",
+            "t5lite-export=t5lite.cli:export_main",
         ]
     },
 )

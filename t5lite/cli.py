@@ -416,5 +416,14 @@ def infer_main() -> None:
   _main(entry)
 
 
+def export_main() -> None:
+  """`t5lite-export`."""
+  def entry():
+    import gin
+    from t5lite import evaluate
+    return gin.get_configurable(evaluate.export_huggingface)
+  _main(entry)
+
+
 if __name__ == "__main__":
   train_main()

@@ -24,6 +24,7 @@ import numpy as np
 import seqio
 
 from t5lite import checkpoints as ckpt_lib
+from t5lite import interop
 from t5lite import inference
 from t5lite import metrics as metrics_lib
 from t5lite import train as train_lib
@@ -47,6 +48,8 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list
   if cfg.mode not in _MODES:
     raise ValueError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
                      f"{list(_MODES)}.")
+  if interop.checkpoint_format(cfg.path):
+    return cfg.path, [interop.checkpoint_step(cfg.path)]
   name = os.path.basename(os.path.normpath(cfg.path))
   if cfg.mode != "all" or (name.isdigit() and os.path.isdir(cfg.path)):
     # 'all' on one step directory means that checkpoint.
@@ -95,6 +98,9 @@ def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str,
                                               specs.shardings.state_dict())
 
   def restore(step: int) -> Any:
+    if interop.checkpoint_format(directory):
+      params = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
+      return interop.load_params(directory, params)
     config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(directory, str(step)),
                                               mode="specific")
     return ckpt_lib.restore_from_path(config, abstract)[0]["params"]
@@ -277,7 +283,11 @@ def infer(*, model: Any, partitioner: Partitioner,
   else:
     sources = _task_examples(mixture_or_task_name, split, task_feature_lengths, module,
                              num_examples)
-  directory, step = ckpt_lib.resolve_restore_path(restore_checkpoint_cfg)
+  if interop.checkpoint_format(restore_checkpoint_cfg.path):
+    directory = restore_checkpoint_cfg.path
+    step = interop.checkpoint_step(directory)
+  else:
+    directory, step = ckpt_lib.resolve_restore_path(restore_checkpoint_cfg)
   params_shardings, restore = _params_restorer(model, partitioner, task_feature_lengths,
                                                directory)
   params = restore(step)
@@ -304,3 +314,43 @@ def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, fl
       row.update(prediction=prediction, score=score)
       f.write(json.dumps(row) + "\n")
   os.replace(path + ".tmp", path)
+
+
+def export_huggingface(*, model: Any, partitioner: Partitioner,
+                       restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig,
+                       output_dir: str) -> list[str]:
+  """Writes a checkpoint's model as a Hugging Face folder (`t5lite-export`).
+
+  Args:
+    model: the model the checkpoint holds: an encoder-decoder with a Hugging
+      Face counterpart (T5 v1.0 / v1.1 / ByT5-style dense, or Switch).
+    partitioner: mesh and rules to restore on.
+    restore_checkpoint_cfg: the checkpoint: a step directory, a model_dir or
+      checkpoints directory (its newest step), or a foreign checkpoint.
+    output_dir: the folder to write `config.json`, `model.safetensors` and,
+      for a SentencePiece vocabulary, `spiece.model` into.
+
+  Returns:
+    The files written (by process 0).
+
+  Raises:
+    ValueError: the model has no Hugging Face counterpart, or there is no
+      checkpoint; checked before anything is written.
+  """
+  fields = interop.export_fields(model)  # refuses models with no counterpart first
+  if interop.checkpoint_format(restore_checkpoint_cfg.path):
+    directory, step = restore_checkpoint_cfg.path, 0
+  else:
+    mode = "specific" if os.path.basename(os.path.normpath(
+        restore_checkpoint_cfg.path or "")).isdigit() else "latest"
+    directory, step = ckpt_lib.resolve_restore_path(
+        dataclasses.replace(restore_checkpoint_cfg, mode=mode))
+  partitioner.validate()
+  _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, directory)
+  params = restore(step)
+  if jax.process_index() != 0:
+    return []
+  written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary)
+  metrics_lib.log_line(f"Wrote a Hugging Face folder of {directory} (step {step}) to "
+                       f"{output_dir}: {', '.join(os.path.basename(w) for w in written)}")
+  return written

@@ -28,6 +28,7 @@ import seqio
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
 from t5lite import inference
+from t5lite import interop
 from t5lite import metrics as metrics_lib
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
@@ -443,6 +444,8 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
     if data is not None and not with_data:
       data.skip(latest)
     return specs.abstract.restore_state(restored), latest
+  if restore_cfg is not None and interop.checkpoint_format(restore_cfg.path):
+    return _import_foreign(specs, restore_cfg, partitioner), 0
   if restore_cfg is not None and restore_cfg.path and restore_cfg.params_only:
     plan = ckpt_lib.plan_params_restore(restore_cfg, specs.abstract.params)  # before init
     for warning in plan.warnings:
@@ -459,6 +462,33 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
       data.skip(step)
     return specs.abstract.restore_state(restored), step
   return init(jax.random.key(seed)), 0
+
+
+def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointConfig,
+                    partitioner: Partitioner) -> TrainState:
+  """A fresh train state around the parameters of a T5X or Hugging Face checkpoint.
+
+  Only the parameters are imported (a foreign optimizer's slots do not fit
+  t5lite's optimizer); the optimizer state is initialised from them, under
+  jit with the state's shardings, and the run starts at step 0.
+
+  Raises:
+    ValueError: `params_only` is off, or the checkpoint does not fit the model.
+  """
+  if not restore_cfg.params_only or restore_cfg.assignment_map:
+    raise ValueError(f"{restore_cfg.path} is a {interop.checkpoint_format(restore_cfg.path)} "
+                     "checkpoint, which gives parameters only: set "
+                     "RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin does) "
+                     "and no assignment_map.")
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
+  params = interop.load_params(restore_cfg.path, abstract)
+  tx = specs.abstract.tx
+  create = partitioner.partition(lambda p: TrainState.create(p, tx),
+                                 in_shardings=(specs.shardings.params,),
+                                 out_shardings=specs.shardings)
+  metrics_lib.log_line(f"Imported {len(jax.tree.leaves(params))} parameters from "
+                       f"{restore_cfg.path}; optimizer state fresh, starting at step 0")
+  return create(params)
 
 
 def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:

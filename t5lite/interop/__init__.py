@@ -15,11 +15,14 @@ t5lite's own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import jax
+import numpy as np
 
+from t5lite.interop import gin_file
 from t5lite.interop import huggingface
 from t5lite.interop import lazy
 from t5lite.interop import t5x
@@ -38,6 +41,40 @@ def checkpoint_format(path: str | None) -> str | None:
   if t5x.is_t5x(path):
     return T5X
   return None
+
+
+def checkpoint_step(path: str) -> int:
+  """The training step a foreign checkpoint holds (T5X's step; 0 for Hugging Face)."""
+  if checkpoint_format(path) == T5X:
+    return t5x.step_of(path)
+  return 0
+
+
+def describe(path: str) -> tuple[str, str, dict[str, Any], tuple[str, str | None]]:
+  """What a foreign checkpoint holds, enough to write its model's gin file.
+
+  Returns:
+    (description, network, TransformerConfig fields, vocabulary) where
+    network is `gin_file.ENCODER_DECODER` or `DECODER_ONLY` and vocabulary
+    ('byte' | 'sentencepiece' | 'unknown', model file or None).
+
+  Raises:
+    ValueError: not a foreign checkpoint, unreadable, or an architecture
+      t5lite does not have.
+  """
+  kind = checkpoint_format(path)
+  if kind == HUGGING_FACE:
+    folder = huggingface.HuggingFaceFolder(path)
+    huggingface.to_t5lite(folder)  # every array present and placed
+    return (f"Hugging Face {folder.model_type} folder", gin_file.ENCODER_DECODER,
+            huggingface.model_config(folder), folder.vocabulary())
+  if kind == T5X:
+    checkpoint = t5x.T5xCheckpoint(path)
+    network, fields, vocabulary = t5x.model_fields(checkpoint)
+    return (f"T5X {checkpoint.format} checkpoint (step {checkpoint.step})", network, fields,
+            vocabulary)
+  raise ValueError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
+                   "Face folder (config.json + *.safetensors).")
 
 
 def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
@@ -158,3 +195,64 @@ def load_params(path: str, abstract_params: Any) -> Any:
     name = "/".join(str(getattr(k, "key", k)) for k in key_path)
     leaves.append(lazy.materialize(chosen[name], target))
   return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def export_fields(model: Any) -> dict[str, Any]:
+  """The `TransformerConfig` fields of a model that has a Hugging Face counterpart.
+
+  Raises:
+    ValueError: not a t5lite encoder-decoder, or a variant Hugging Face's
+      T5 / Switch Transformers code does not have.
+  """
+  from t5lite.models import transformer  # the models are interop's only target
+  module = getattr(model, "module", None)
+  if not isinstance(module, transformer.EncoderDecoder):
+    raise ValueError(f"Only encoder-decoder models have a Hugging Face counterpart; this "
+                     f"model's network is {type(module).__name__}.")
+  fields = dataclasses.asdict(module.config)
+  huggingface.hf_config(fields)
+  return fields
+
+
+def _unscan(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Unstacks scanned layers (`layers/...`, `layers/layers_{j}/...`) into `layers_{i}`."""
+  blocks: dict[str, int] = {}
+  for name in params:
+    if m := re.match(r"(encoder|decoder)/layers/layers_(\d+)/", name):
+      blocks[m.group(1)] = max(blocks.get(m.group(1), 0), int(m.group(2)) + 1)
+  out = {}
+  for name, value in params.items():
+    block = re.fullmatch(r"(encoder|decoder)/layers/layers_(\d+)/(.*)", name)
+    scanned = re.fullmatch(r"(encoder|decoder)/layers/(.*)", name)
+    if block:
+      stack, j, rest = block.group(1), int(block.group(2)), block.group(3)
+      for b, layer in enumerate(value):
+        out[f"{stack}/layers_{b * blocks[stack] + j}/{rest}"] = layer
+    elif scanned:
+      for i, layer in enumerate(value):
+        out[f"{scanned.group(1)}/layers_{i}/{scanned.group(2)}"] = layer
+    else:
+      out[name] = value
+  return out
+
+
+def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
+                       vocabulary: Any) -> list[str]:
+  """Writes a t5lite encoder-decoder's parameters as a Hugging Face folder.
+
+  Args:
+    params: the model's parameter tree (jax or numpy arrays; every process
+      must call this in a multi-process job, which gathers them).
+    fields: from `export_fields`.
+    output_dir: the folder to write.
+    vocabulary: the model's input vocabulary; a SentencePiece one is copied
+      as `spiece.model`.
+
+  Returns:
+    The files written.
+  """
+  from jax.experimental import multihost_utils
+  host = {name: np.asarray(multihost_utils.process_allgather(value, tiled=True))
+          for name, value in _flatten(params).items()}
+  spiece = getattr(vocabulary, "sentencepiece_model_file", None)
+  return huggingface.export(_unscan(host), fields, output_dir, spiece)

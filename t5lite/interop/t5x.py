@@ -35,6 +35,7 @@ from flax import serialization
 import numpy as np
 import tensorstore as ts
 
+from t5lite.interop import gin_file
 from t5lite.interop import lazy
 
 _ATTENTIONS = ("attention", "self_attention", "encoder_decoder_attention")
@@ -75,6 +76,11 @@ def is_t5x(path: str) -> bool:
     return True
   except ValueError:
     return False
+
+
+def step_of(path: str) -> int:
+  """The step of the T5X step directory `path` names (see `find_step_dir`)."""
+  return int(_STEP_DIR.search(find_step_dir(path)).group(1))
 
 
 def find_step_dir(path: str) -> str:
@@ -222,3 +228,62 @@ def to_t5lite(checkpoint: T5xCheckpoint, layers_axis: int = 1) -> dict[str, lazy
         array = lazy.split_axis(array, 1, (h, array.shape[1] // h))
     out[name] = array
   return out
+
+
+def _operative_config(step_dir: str) -> str:
+  """T5X's config.gin of the run, from the model_dir above the step directory."""
+  parent = os.path.dirname(step_dir)
+  # The model_dir, or one level up for step directories kept in a subfolder.
+  for folder in (parent, os.path.dirname(parent)):
+    path = os.path.join(folder, "config.gin")
+    if os.path.isfile(path):
+      with open(path) as f:
+        return f.read()
+  return ""
+
+
+def _vocabulary(config: str) -> tuple[str, str | None]:
+  """The vocabulary the run's config.gin names, as ('byte' | 'sentencepiece' | 'unknown', path)."""
+  macro = re.search(r"^VOCABULARY\s*=\s*@([\w.]+)\(\)", config, re.MULTILINE)
+  name = macro.group(1) if macro else ""
+  if name.endswith("ByteVocabulary"):
+    return "byte", None
+  model_file = re.search(r"sentencepiece_model_file\s*=\s*\\?\s*'([^']+)'", config)
+  if name.endswith("SentencePieceVocabulary") and model_file:
+    return "sentencepiece", model_file.group(1)
+  return "unknown", None
+
+
+def model_fields(checkpoint: T5xCheckpoint) -> tuple[str, dict[str, Any], tuple[str, str | None]]:
+  """The network, `TransformerConfig` fields and vocabulary of a T5X checkpoint.
+
+  Sizes come from the arrays; the activations and the vocabulary from the
+  run's config.gin next to the step directory when there is one (T5X writes
+  it), else gated GELU for `wi_0`/`wi_1` kernels and ReLU for a single `wi`.
+
+  Returns:
+    (gin_file.ENCODER_DECODER or DECODER_ONLY, fields, vocabulary).
+  """
+  params = to_t5lite(checkpoint)
+  config = _operative_config(checkpoint.path)
+  emb = params["token_embedder/embedding"].shape
+  relpos = params["decoder/relpos_bias/rel_embedding"].shape
+  depth = {stack: len({m.group(1) for name in params
+                       if (m := re.match(rf"{stack}/layers_(\d+)/", name))})
+           for stack in ("encoder", "decoder")}
+  mlp = "decoder/layers_0/mlp/"
+  gated = f"{mlp}wi_0/kernel" in params
+  activations = re.search(r"mlp_activations\s*=\s*\(([^)]*)\)", config)
+  fields = {
+      "vocab_size": emb[0], "emb_dim": emb[1], "num_heads": relpos[0],
+      "num_encoder_layers": depth["encoder"], "num_decoder_layers": depth["decoder"],
+      "head_dim": params["decoder/layers_0/self_attention/query/kernel"].shape[2],
+      "mlp_dim": params[f"{mlp}{'wi_0' if gated else 'wi'}/kernel"].shape[1],
+      "mlp_activations": (tuple(ast.literal_eval(f"({activations.group(1)})")) if activations
+                          else (("gelu", "linear") if gated else ("relu",))),
+      "logits_via_embedding": "decoder/logits_dense/kernel" not in params,
+      "relative_attention_num_buckets": relpos[1],
+      "relative_attention_max_distance": 128,
+  }
+  network = gin_file.ENCODER_DECODER if depth["encoder"] else gin_file.DECODER_ONLY
+  return network, fields, _vocabulary(config)

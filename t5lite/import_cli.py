@@ -1,0 +1,89 @@
+"""`t5lite-import`: the gin file of a T5X checkpoint's or Hugging Face folder's model.
+
+  t5lite-import --source=path/to/flan-t5-small --output=flan_t5_small.gin
+
+checks that every array of the checkpoint is readable and has its place in
+a t5lite model, then writes (or, without --output, prints) the gin file that
+defines that model: sizes, activations, tied or separate logits, relative
+positions, experts and vocabulary. Train, evaluate or serve it with that
+file first on the command line and the checkpoint as INITIAL_CHECKPOINT_PATH
+or CHECKPOINT_PATH (docs/checkpoints.md); the weights are read from the
+checkpoint itself each time, straight into their shardings.
+
+Kept apart from `cli` so that t5lite-train's flags stay its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("source", None, "A T5X checkpoint (checkpoint_<step>/ or the directory "
+                    "holding them) or a Hugging Face folder (config.json + safetensors).")
+flags.DEFINE_string("output", None, "Gin file to write; printed to stdout when not set.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing --output file.")
+
+USER_ERROR_EXIT = 2
+
+
+def import_gin() -> str:
+  """Describes --source and writes or returns its gin file.
+
+  Returns:
+    The message to print: the gin text, or where it was written.
+
+  Raises:
+    ValueError: no or unreadable source, an architecture t5lite does not
+      have, or an existing --output without --overwrite (nothing is written).
+  """
+  from t5lite import interop
+  from t5lite.interop import gin_file
+  if not FLAGS.source:
+    raise ValueError("--source is required: a T5X checkpoint or a Hugging Face folder.")
+  source = os.path.abspath(FLAGS.source)
+  if not os.path.exists(source):
+    raise ValueError(f"--source {FLAGS.source} does not exist.")
+  if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
+    raise ValueError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
+  description, network, fields, vocabulary = interop.describe(source)
+  text = gin_file.model_gin(network, fields, vocabulary, source)
+  if not FLAGS.output:
+    return text
+  with open(FLAGS.output + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(FLAGS.output + ".tmp", FLAGS.output)
+  vocab = {"byte": "bytes", "sentencepiece": vocabulary[1]}.get(vocabulary[0], "unknown: set "
+                                                                 "VOCABULARY in the file")
+  return (f"Wrote {FLAGS.output}: the {network.replace('_', '-')} model of the {description} "
+          f"{source} (vocabulary {vocab}).\nUse it first: t5lite-train "
+          f"--gin_file={FLAGS.output} --gin_file=gin/runs/finetune.gin "
+          f"--gin.INITIAL_CHECKPOINT_PATH=\"'{source}'\" ...")
+
+
+def _main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    print(f"t5lite-import: unexpected arguments {list(argv[1:])}; flags look like "
+          "--source=PATH.", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+  try:
+    text = import_gin()
+  except (ValueError, FileNotFoundError) as error:
+    print(f"t5lite-import: {type(error).__name__}: {' '.join(str(error).split())}",
+          file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+  print(text)
+
+
+def main() -> None:
+  """`t5lite-import`."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  app.run(_main)
+
+
+if __name__ == "__main__":
+  main()
