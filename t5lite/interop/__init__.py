@@ -148,25 +148,30 @@ def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: 
       architecture), or a shape that differs from the gin file's.
   """
   targets = _flatten(abstract_params)
-  used, chosen, problems = set(), {}, []
+  used, chosen, missing, shapes = set(), {}, [], []
   for name, target in targets.items():
     wanted = [name] if name in sources else _source_names(name, target, targets)
     used.update(wanted)
-    missing = [w for w in wanted if w not in sources]
-    if missing:
-      problems.append(f"{missing[0]} is missing from the checkpoint")
+    absent = [w for w in wanted if w not in sources]
+    if absent:
+      missing.append(absent[0])
       continue
     found = sources[name] if wanted == [name] else lazy.stack([sources[w] for w in wanted])
     if tuple(found.shape) != tuple(target.shape):
-      problems.append(f"{found.origin} is {tuple(found.shape)} but the model (gin file) "
-                      f"has {name} {tuple(target.shape)}")
+      shapes.append(f"{found.origin} is {tuple(found.shape)} but the model (gin file) has "
+                    f"{name} {tuple(target.shape)}")
     chosen[name] = found
-  extra = sorted(set(sources) - used)
-  problems += [f"{sources[name].origin} has no place in the model" for name in extra]
+  extra = [sources[name].origin for name in sorted(set(sources) - used)]
+  problems = [f"{len(missing)} model parameter(s) missing from it (first: {missing[0]})"
+              ] if missing else []
+  if extra:
+    problems.append(f"{len(extra)} of its array(s) have no place in the model (first: "
+                    f"{extra[0]})")
+  problems += shapes[:_MAX_PROBLEMS]
+  if len(shapes) > _MAX_PROBLEMS:
+    problems.append(f"{len(shapes) - _MAX_PROBLEMS} more shape mismatch(es)")
   if problems:
-    more = f" (and {len(problems) - _MAX_PROBLEMS} more)" if len(problems) > _MAX_PROBLEMS else ""
-    raise ValueError(f"{description} does not match the model: "
-                     + "; ".join(problems[:_MAX_PROBLEMS]) + more
+    raise ValueError(f"{description} does not match the model: " + "; ".join(problems)
                      + ". Use the gin file `t5lite-import` writes for this checkpoint.")
   return chosen
 
