@@ -1,0 +1,77 @@
+"""Imports read each parameter straight into its sharding, shard by shard.
+
+Runs in a subprocess with 8 fake CPU devices under FSDP x tensor-parallel
+rules: every imported array must carry the sharding training would give it,
+every read must be one device's shard (never the whole array), and the
+logits must still be T5X's.
+"""
+
+import json
+import os
+import textwrap
+
+from t5lite import testing
+
+import interop_helpers as h
+
+_BODY = """
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, TESTS)
+import interop_helpers as h
+from t5lite import interop, partitioning as pt
+from t5lite import train as train_lib
+from t5lite import checkpoints as ckpt_lib
+from t5lite.interop import lazy
+
+partitioner = pt.Partitioner(num_partitions=2, mesh_shape={"fsdp": -1, "model": 2},
+                             logical_axis_rules=pt.fsdp_logical_axis_rules())
+model = h.t5x_model("a", scan_layers=SCAN)
+batch = h.t5x_batch("a")
+shapes = {k: (1,) + v.shape[1:] for k, v in batch.items() if k != "decoder_loss_weights"}
+specs, _ = train_lib.state_specs(model, partitioner, shapes, {k: np.int32 for k in shapes})
+abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
+
+reads = []
+materialize = lazy.materialize
+def spying(x, target):
+  inner = x.reader
+  shard = tuple(target.sharding.shard_shape(tuple(target.shape)))
+  def reader(index):
+    reads.append((tuple(s.stop - s.start for s in index), shard))
+    return inner(index)
+  return materialize(lazy.LazyArray(x.shape, x.dtype, reader, x.origin), target)
+lazy.materialize = spying
+with partitioner.activate():
+  params = interop.load_params(PATH, abstract)
+wrong = [str(p) for p, a, t in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                   jax.tree.leaves(params), jax.tree.leaves(abstract))
+         if a.sharding != t.sharding]
+sharded = sum(1 for a in jax.tree.leaves(params)
+              if a.addressable_shards[0].data.shape != a.shape)
+not_a_shard = [r for r in reads if r[0] != r[1]]
+ref = h.t5x_reference("a")
+logits = np.asarray(model.predict_logits(jax.device_get(params), batch))
+print(json.dumps({"wrong": wrong, "sharded": sharded, "reads": len(reads),
+                  "not_a_shard": len(not_a_shard),
+                  "max_diff": float(np.abs(logits - ref["logits"]).max())}))
+"""
+
+
+def _run(scan):
+  code = "\n".join([f"TESTS = {os.path.dirname(__file__)!r}",
+                    f"PATH = {h.T5X_CHECKPOINTS['a', 'legacy']!r}", f"SCAN = {scan!r}",
+                    textwrap.dedent(_BODY)])
+  out = testing.run_with_devices(code, num_devices=8, timeout=600,
+                                 extra_env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert out.returncode == 0, out.stderr[-4000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_reads_shards_into_the_training_shardings():
+  for scan in (False, True):
+    got = _run(scan)
+    assert got["wrong"] == []
+    assert got["sharded"] > 20  # most kernels are split over the 8 devices
+    assert got["reads"] > 0 and got["not_a_shard"] == 0  # each read is one device's shard
+    assert got["max_diff"] < 1e-4
