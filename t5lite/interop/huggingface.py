@@ -76,8 +76,8 @@ class HuggingFaceFolder:
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"{os.path.join(self.path, CONFIG)} has model_type "
                        f"{self.model_type!r}; t5lite imports {', '.join(MODEL_TYPES)}.")
-    self.files = self._weight_files()
     self._handles: dict[str, Any] = {}
+    self.files = self._weight_files()
 
   def _weight_files(self) -> dict[str, str]:
     index = os.path.join(self.path, INDEX)
@@ -172,12 +172,37 @@ def model_config(folder: HuggingFaceFolder) -> dict[str, Any]:
       "head_dim": _get(c, "d_kv"), "mlp_dim": _get(c, "d_ff"),
       "relative_attention_num_buckets": c.get("relative_attention_num_buckets", 32),
       "relative_attention_max_distance": c.get("relative_attention_max_distance", 128),
-      "logits_via_embedding": bool(c.get("tie_word_embeddings", True)),
+      "logits_via_embedding": "lm_head.weight" not in folder.files,
       "mlp_activations": _ACTIVATIONS[proj],
   }
+  _check_output_scale(folder, fields["logits_via_embedding"])
   if folder.model_type == "switch_transformers":
     fields.update(_switch_fields(c, fields))
   return fields
+
+
+def _check_output_scale(folder: HuggingFaceFolder, tied: bool) -> None:
+  """Refuses the two logit layouts t5lite has no configuration for.
+
+  A separate `lm_head.weight` means untied logits. Whether the decoder
+  output is rescaled by d_model**-0.5 is `scale_decoder_outputs` in configs
+  written by transformers 5.x (which always says `tie_word_embeddings:
+  true`), `tie_word_embeddings` in older and published configs, and never
+  for mT5. t5lite rescales exactly the tied logits.
+  """
+  c = folder.config
+  if "scale_decoder_outputs" in c:
+    rescaled = bool(c["scale_decoder_outputs"])
+  elif folder.model_type == "mt5":
+    rescaled = False
+  else:
+    rescaled = bool(c.get("tie_word_embeddings", True))
+  if rescaled != tied:
+    raise ValueError(
+        f"{os.path.join(folder.path, CONFIG)}: "
+        f"{'tied' if tied else 'untied (lm_head.weight)'} logits "
+        f"{'without' if tied else 'with'} the d_model**-0.5 rescale; t5lite rescales exactly "
+        "the tied ones.")
 
 
 def _sparse_step(num_layers: int, num_sparse: int) -> int:
@@ -186,14 +211,14 @@ def _sparse_step(num_layers: int, num_sparse: int) -> int:
 
 
 def _switch_fields(c: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-  steps = {_sparse_step(fields["num_encoder_layers"], c.get("num_sparse_encoder_layers", 0)),
-           _sparse_step(fields["num_decoder_layers"], c.get("num_sparse_decoder_layers", 0))}
-  if len(steps) != 1 or steps.pop() not in (1, 2):
+  steps = {c.get(f"{stack}_sparse_step") or _sparse_step(
+      fields[f"num_{stack}_layers"], c.get(f"num_sparse_{stack}_layers", 0))
+      for stack in ("encoder", "decoder")}
+  if len(steps) != 1 or min(steps) not in (1, 2):
     raise ValueError(
-        "config.json places Switch experts with sparse steps "
-        f"{sorted(steps)}; t5lite places them in every layer (step 1) or in layers 1, 3, "
-        "5, ... (step 2) of both stacks.")
-  step = _sparse_step(fields["num_encoder_layers"], c.get("num_sparse_encoder_layers", 0))
+        f"config.json places Switch experts with sparse steps {sorted(steps)}; t5lite places "
+        "them in every layer (step 1) or in layers 1, 3, 5, ... (step 2) of both stacks.")
+  step = steps.pop()
   if c.get("router_bias", False):
     raise ValueError("config.json has router_bias=true; t5lite's router has no bias.")
   return {"num_experts": _get(c, "num_experts"), "num_selected_experts": 1,
@@ -354,6 +379,7 @@ def hf_config(fields: dict[str, Any]) -> dict[str, Any]:
       "relative_attention_max_distance": fields["relative_attention_max_distance"],
       "feed_forward_proj": _ACTIVATION_NAMES[activations], "layer_norm_epsilon": 1e-6,
       "tie_word_embeddings": bool(fields["logits_via_embedding"]),
+      "scale_decoder_outputs": bool(fields["logits_via_embedding"]),
       "dropout_rate": fields.get("dropout_rate", 0.0), "initializer_factor": 1.0,
       "is_encoder_decoder": True, "pad_token_id": 0, "eos_token_id": 1,
       "decoder_start_token_id": 0, "torch_dtype": "float32",
@@ -388,6 +414,7 @@ def _switch_config(fields: dict[str, Any], activations: tuple[str, ...]) -> dict
       "num_experts": fields["num_experts"], "expert_capacity": fields["expert_capacity"],
       "num_sparse_encoder_layers": fields["num_encoder_layers"] // step,
       "num_sparse_decoder_layers": fields["num_decoder_layers"] // step,
+      "encoder_sparse_step": step, "decoder_sparse_step": step,
       "router_bias": False, "router_jitter_noise": fields.get("router_jitter_noise", 0.0),
       "router_dtype": "float32", "router_ignore_padding_tokens": False,
       "router_z_loss_coef": 0.001, "router_aux_loss_coef": 0.001,
