@@ -908,6 +908,9 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
   data = TrainData(model, train_cfg, partitioner, prefetch_batches)
   specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
+  restore = checkpoint_cfg.restore
+  if restore is not None and interop.checkpoint_format(restore.path):
+    interop.check_fits(restore.path, specs.abstract.params)  # reads metadata only
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,

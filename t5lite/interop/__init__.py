@@ -176,6 +176,12 @@ def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: 
   return chosen
 
 
+def check_fits(path: str, abstract_params: Any) -> None:
+  """Raises the ValueError of `plan` if the checkpoint does not fit; reads no data."""
+  sources, description = read_foreign(path)
+  plan(sources, abstract_params, description)
+
+
 def load_params(path: str, abstract_params: Any) -> Any:
   """Reads a foreign checkpoint's parameters into the model's sharded tree.
 

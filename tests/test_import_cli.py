@@ -1,0 +1,163 @@
+"""Foreign checkpoints through the console scripts, as docs/checkpoints.md shows.
+
+A Hugging Face folder goes to a fine-tuned, evaluated and exported model in
+three commands (t5lite-import, t5lite-train, t5lite-export); a restarted
+fine-tune resumes its own checkpoint; t5lite-infer and t5lite-eval read T5X
+and Hugging Face checkpoints directly; bad input is one line, exit 2, and
+nothing written.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from t5lite import interop
+from t5lite.interop import huggingface
+
+import interop_helpers as h
+from test_cli import run_cli
+
+BYT5 = os.path.join(h.HF, "byt5")
+SORT = ["--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}", "--gin.BATCH_SIZE=32",
+        "--gin.CHECKPOINT_PERIOD=2", "--gin.STATS_PERIOD=2", "--gin.EVAL_STEPS=1"]
+
+
+def _ok(result):
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def _one_line_exit_2(result):
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("t5lite")]
+  assert len(lines) == 1, result.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.mark.slow
+def test_hugging_face_folder_to_finetuned_evaluated_exported_in_three_commands(tmp_path):
+  cwd = str(tmp_path)
+  # 1. The model's gin file.
+  _ok(run_cli([f"--source={BYT5}", "--output=byt5.gin"], cwd, script="t5lite-import"))
+  text = (tmp_path / "byt5.gin").read_text()
+  assert "num_encoder_layers = 4" in text and "VOCABULARY = @vocabularies.byte_vocabulary()" in text
+  # 2. Fine-tune from the folder, with train-time inference evaluation.
+  train = ["--gin_file=byt5.gin", "--gin_file=gin/runs/finetune.gin",
+           f"--gin.INITIAL_CHECKPOINT_PATH='{BYT5}'", "--gin.MODEL_DIR='ft'", *SORT]
+  result = _ok(run_cli([*train, "--gin.TRAIN_STEPS=2", "--gin.EVAL_PERIOD=2"], cwd))
+  assert f"Imported 70 parameters from {BYT5}" in result.stdout
+  predictions = tmp_path / "ft" / "inference_eval" / "t5lite_sort-000002.jsonl"
+  assert len(predictions.read_text().splitlines()) == 1000
+  # A restart resumes its own checkpoint, not the import.
+  result = _ok(run_cli([*train, "--gin.TRAIN_STEPS=4", "--gin.INFER_EVAL_DATASET_CFG=None"],
+                       cwd))
+  assert "Restoring step 2 from" in result.stdout and "Imported" not in result.stdout
+  # 3. Export the fine-tuned checkpoint.
+  _ok(run_cli(["--gin_file=byt5.gin", "--gin_file=gin/runs/export.gin",
+               "--gin.CHECKPOINT_PATH='ft'", "--gin.EXPORT_DIR='hf_out'"], cwd,
+              script="t5lite-export"))
+  assert sorted(os.listdir(tmp_path / "hf_out")) == ["config.json", "model.safetensors"]
+  exported = huggingface.HuggingFaceFolder(str(tmp_path / "hf_out"))
+  original = huggingface.HuggingFaceFolder(BYT5)
+  assert huggingface.model_config(exported) == huggingface.model_config(original)
+  assert set(exported.files) == set(original.files)
+  # The export holds the fine-tuned step 4, not the import.
+  changed = [n for n in original.files
+             if not np.array_equal(exported.array(n).read(), original.array(n).read())]
+  assert len(changed) > 40
+
+
+@pytest.mark.slow
+def test_infer_and_eval_read_foreign_checkpoints_directly(tmp_path):
+  cwd = str(tmp_path)
+  _ok(run_cli([f"--source={h.T5X_CHECKPOINTS['a', 'legacy']}", "--output=a.gin"], cwd,
+              script="t5lite-import"))
+  (tmp_path / "inputs.txt").write_text("The cat sat on the mat.\nHello world\n")
+  _ok(run_cli(["--gin_file=a.gin", "--gin_file=gin/runs/infer.gin",
+               f"--gin.CHECKPOINT_PATH='{h.T5X_CHECKPOINTS['a', 'legacy']}'",
+               "--gin.INFER_OUTPUT_DIR='out'", "--gin.INPUT_FILE='inputs.txt'",
+               "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 32}",
+               "--gin.BATCH_SIZE=2"], cwd, script="t5lite-infer"))
+  rows = [json.loads(line) for line in (tmp_path / "out" / "inputs-20.jsonl").open()]
+  assert [r["inputs"] for r in rows] == ["The cat sat on the mat.", "Hello world"]
+
+  _ok(run_cli([f"--source={BYT5}", "--output=byt5.gin"], cwd, script="t5lite-import"))
+  _ok(run_cli(["--gin_file=byt5.gin", "--gin_file=gin/runs/eval.gin",
+               f"--gin.CHECKPOINT_PATH='{BYT5}'", "--gin.EVAL_OUTPUT_DIR='eval'",
+               "--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'", "--gin.NUM_EVAL_EXAMPLES=16",
+               "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}",
+               "--gin.BATCH_SIZE=8"], cwd, script="t5lite-eval"))
+  rows = (tmp_path / "eval" / "inference_eval" / "t5lite_sort-000000.jsonl").read_text()
+  assert len(rows.splitlines()) == 16
+
+
+@pytest.mark.slow
+def test_checkpoint_that_does_not_fit_the_gin_file_writes_nothing(tmp_path):
+  cwd = str(tmp_path)
+  result = run_cli(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finetune.gin",
+                    f"--gin.INITIAL_CHECKPOINT_PATH='{BYT5}'", "--gin.MODEL_DIR='ft'",
+                    "--gin.TRAIN_STEPS=2", "--gin.EVAL_PERIOD=2", *SORT], cwd)
+  line = _one_line_exit_2(result)
+  assert f"Hugging Face t5 folder {BYT5} does not match the model" in line
+  assert "but the model (gin file) has" in line
+  assert not (tmp_path / "ft").exists()
+
+
+def _folder_with(tmp_path, drop=(), add=None, config=None):
+  folder = tmp_path / "model"
+  shutil.copytree(BYT5, folder)
+  for name in drop:
+    os.remove(folder / name)
+  if add:
+    name, data = add
+    (folder / name).write_bytes(data)
+  if config:
+    conf = json.loads((folder / "config.json").read_text())
+    conf.update(config)
+    (folder / "config.json").write_text(json.dumps(conf))
+  return str(folder)
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("pickle", r"pytorch_model.bin is a pickle, which t5lite never loads; convert it to "
+               r"safetensors"),
+    ("model_type", r"config.json has model_type 'bert'; t5lite imports t5, mt5, "
+                   r"switch_transformers"),
+    ("truncated", r"model.safetensors is not a readable safetensors file"),
+    ("activation", r"feed_forward_proj 'gated-swish' is not one of"),
+])
+def test_bad_folders_are_one_line_exit_2_and_write_nothing(tmp_path, case, pattern):
+  if case == "pickle":
+    source = _folder_with(tmp_path, drop=["model.safetensors"],
+                          add=("pytorch_model.bin", b"\x80\x04not really"))
+  elif case == "model_type":
+    source = _folder_with(tmp_path, config={"model_type": "bert"})
+  elif case == "truncated":
+    data = open(os.path.join(BYT5, "model.safetensors"), "rb").read()
+    source = _folder_with(tmp_path, drop=["model.safetensors"],
+                          add=("model.safetensors", data[: len(data) // 2]))
+  else:
+    source = _folder_with(tmp_path, config={"feed_forward_proj": "gated-swish"})
+  result = run_cli([f"--source={source}", "--output=x.gin"], str(tmp_path),
+                   script="t5lite-import")
+  line = _one_line_exit_2(result)
+  assert line.startswith("t5lite-import: ValueError: ")
+  import re
+  assert re.search(pattern, line), line
+  assert not (tmp_path / "x.gin").exists()
+
+
+def test_missing_array_in_a_folder_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  source = _folder_with(tmp_path)
+  tensors = load_file(os.path.join(source, "model.safetensors"))
+  del tensors["decoder.block.1.layer.2.DenseReluDense.wo.weight"]
+  save_file(tensors, os.path.join(source, "model.safetensors"))
+  with pytest.raises(ValueError, match=r"does not match its config.json: "
+                                       r"decoder.block.1.layer.2.DenseReluDense.wo.weight is "
+                                       r"missing"):
+    interop.describe(source)
