@@ -203,3 +203,21 @@ def test_not_a_checkpoint_is_refused(tmp_path):
   (tmp_path / "checkpoint_3").mkdir()
   with pytest.raises(ValueError, match="neither T5X format"):
     interop.read_foreign(str(tmp_path))
+
+
+@pytest.mark.parametrize("network", ["a", "c"])
+def test_bfloat16_model_is_within_two_bfloat16_steps_of_t5x(network):
+  """A bfloat16 import against T5X's float32 outputs (docs/checkpoints.md).
+
+  bfloat16 keeps 8 significant bits, so a logit near 7.75 (the largest here)
+  is rounded in steps of 2**-5; the tolerance is two such steps, 0.0625.
+  Measured: 0.032 (encoder-decoder) and 0.044 (decoder-only), and scores
+  within 0.13 % (tolerance 0.5 %).
+  """
+  model, batch, params = _import(network, "orbax", dtype="bfloat16")
+  ref = h.t5x_reference(network)
+  step = 2.0 ** (np.floor(np.log2(np.abs(ref["logits"]).max())) - 7)
+  logits = np.asarray(model.predict_logits(params, batch))
+  np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=2 * step)
+  np.testing.assert_allclose(np.asarray(model.score_batch(params, batch)), ref["score_batch"],
+                             rtol=5e-3)
