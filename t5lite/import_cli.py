@@ -54,6 +54,7 @@ def import_gin() -> str:
   text = gin_file.model_gin(network, fields, vocabulary, source)
   if not FLAGS.output:
     return text
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
   with open(FLAGS.output + ".tmp", "w") as f:
     f.write(text)
   os.replace(FLAGS.output + ".tmp", FLAGS.output)
