@@ -158,8 +158,8 @@ def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: 
       continue
     found = sources[name] if wanted == [name] else lazy.stack([sources[w] for w in wanted])
     if tuple(found.shape) != tuple(target.shape):
-      shapes.append(f"{found.origin} is {tuple(found.shape)} but the model (gin file) has "
-                    f"{name} {tuple(target.shape)}")
+      shapes.append(f"{found.origin} is {tuple(found.shape)} as t5lite's {name}, but the "
+                    f"model (gin file) has {tuple(target.shape)}")
     chosen[name] = found
   extra = [sources[name].origin for name in sorted(set(sources) - used)]
   problems = [f"{len(missing)} model parameter(s) missing from it (first: {missing[0]})"
