@@ -17,6 +17,7 @@ BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
             "gin/runs/finetune.gin": ["gin/models/t5_tiny.gin"],
             "gin/runs/eval.gin": ["gin/models/t5_tiny.gin"],
             "gin/runs/infer.gin": ["gin/models/t5_tiny.gin"],
+            "gin/runs/export.gin": ["gin/models/t5_tiny.gin"],
             **{f"gin/partitioning/{n}.gin": ["gin/pretrain_dense.gin"]
                for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")},
             "gin/partitioning/expert_parallel.gin": ["gin/pretrain_moe.gin"],
@@ -35,7 +36,7 @@ def test_found_the_shipped_files():
 
 # Values a user gives on the command line for the run files' required macros.
 USER_MACROS = ["MODEL_DIR = '/tmp/x'", "CHECKPOINT_PATH = '/tmp/x'", "EVAL_OUTPUT_DIR = '/tmp/x'",
-               "INFER_OUTPUT_DIR = '/tmp/x'",
+               "INFER_OUTPUT_DIR = '/tmp/x'", "EXPORT_DIR = '/tmp/x'",
                "MIXTURE_OR_TASK_NAME = 't5lite_span_corruption'", "BATCH_SIZE = 2",
                "TASK_FEATURE_LENGTHS = {'inputs': 8, 'targets': 8}", "TRAIN_STEPS = 1",
                "INITIAL_CHECKPOINT_PATH = None"]
