@@ -35,12 +35,14 @@ test-fast: install
 
 # Training performance report (MFU, framework overhead, input pipeline,
 # compile time, host memory) of gin/benchmarks/{dense,moe}.gin, then the
-# checkpoint and decoding benchmarks; figures in benchmarks/results/ and
-# docs/performance.md. On a GPU machine: benchmarks/gpu.sh.
+# checkpoint, decoding and checkpoint-import benchmarks; figures in
+# benchmarks/results/ and docs/performance.md. On a GPU machine:
+# benchmarks/gpu.sh.
 bench: install
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/checkpoint_blocking.py
 	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/import_throughput.py
 
 lint: install
 	$(BIN)/ruff check t5lite tests benchmarks

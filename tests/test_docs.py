@@ -239,8 +239,11 @@ BENCH_TINY_ARGS = {
     "profile_step.py": ["--steps=1", "--top=5"],
     "checkpoint_blocking.py": ["--steps=6", "--checkpoint_period=2", "--stats=2"],
     "decode.py": ["--batch=2", "--length=8", "--repeats=1"],
+    # The model of the tiny gin file _benchmark adds (2 + 2 layers, width 8).
+    "import_throughput.py": ["--repeats=1"],
 }
-_WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py")
+_WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py",
+                "import_throughput.py")
 
 
 def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:

@@ -4,7 +4,6 @@ The checkpoints and `reference.npz` under tests/data/t5x/ were written by
 T5X itself (see its README); nothing there was computed by t5lite.
 """
 
-import os
 import shutil
 
 import jax

@@ -1,5 +1,7 @@
 """Unit tests of the T5.1.1 building blocks in t5lite.models.layers."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -191,6 +193,58 @@ def test_mlp_is_gated_gelu():
   gelu = 0.5 * h0 * (1 + np.tanh(np.sqrt(2 / np.pi) * (h0 + 0.044715 * h0**3)))
   expected = np.einsum("blm,me->ble", gelu * h1, p["wo"]["kernel"])
   np.testing.assert_allclose(module.apply(variables, x), expected, rtol=1e-4, atol=1e-6)
+
+
+# float64 references of every MLP activation, written out by hand.
+_NUMPY_ACTIVATIONS = {
+    "gelu": lambda h: 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3))),
+    "gelu_exact": lambda h: 0.5 * h * (1 + np.vectorize(math.erf)(h / np.sqrt(2))),
+    "relu": lambda h: np.maximum(h, 0.0),
+    "silu": lambda h: h / (1 + np.exp(-h)),
+    "linear": lambda h: h,
+}
+
+
+@pytest.mark.parametrize("activation", sorted(_NUMPY_ACTIVATIONS))
+def test_single_activation_mlp_has_one_wi_kernel_and_matches_numpy(activation):
+  # ('relu',) is the T5 v1.0 MLP, wo(relu(wi x)), with T5X/HF kernel names.
+  module = layers.MlpBlock(mlp_dim=MLP, activations=(activation,))
+  x = _normal(13, (BATCH, Q_LEN, EMBED))
+  variables = _init(module, x)
+  assert set(variables["params"]) == {"wi", "wo"}
+  assert _spec(variables, "wi", "kernel") == (ax.EMBED, ax.MLP)
+  assert _spec(variables, "wo", "kernel") == (ax.MLP, ax.EMBED)
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(variables)["params"])
+  assert p["wi"]["kernel"].shape == (EMBED, MLP)
+  h = np.einsum("ble,em->blm", np.asarray(x, np.float64), p["wi"]["kernel"])
+  expected = np.einsum("blm,me->ble", _NUMPY_ACTIVATIONS[activation](h), p["wo"]["kernel"])
+  np.testing.assert_allclose(module.apply(variables, x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_exact_differs_from_the_tanh_gelu_of_t5_1_1():
+  x = _normal(14, (BATCH, Q_LEN, EMBED))
+  tanh_gelu = layers.MlpBlock(mlp_dim=MLP)
+  variables = _init(tanh_gelu, x)
+  exact = layers.MlpBlock(mlp_dim=MLP, activations=("gelu_exact", "linear"))
+  a, b = tanh_gelu.apply(variables, x), exact.apply(variables, x)
+  # The two GELUs differ by at most ~5e-4, far above float32 rounding.
+  assert 1e-5 < float(jnp.abs(a - b).max()) < 1e-2
+  p = jax.tree.map(lambda v: np.asarray(v, np.float64), nn.unbox(variables)["params"])
+  h0 = np.einsum("ble,em->blm", np.asarray(x, np.float64), p["wi_0"]["kernel"])
+  h1 = np.einsum("ble,em->blm", np.asarray(x, np.float64), p["wi_1"]["kernel"])
+  expected = np.einsum("blm,me->ble", _NUMPY_ACTIVATIONS["gelu_exact"](h0) * h1,
+                       p["wo"]["kernel"])
+  np.testing.assert_allclose(b, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mlp_rejects_unknown_or_missing_activations():
+  x = jnp.ones((BATCH, Q_LEN, EMBED))
+  with pytest.raises(ValueError, match=r"MlpBlock.activations=\('swish',\) has unknown "
+                                       r"activation name\(s\) \['swish'\]; allowed names are "
+                                       r"\('gelu', 'gelu_exact', 'relu', 'silu', 'linear'\)"):
+    _init(layers.MlpBlock(mlp_dim=MLP, activations=("swish",)), x)
+  with pytest.raises(ValueError, match="MlpBlock.activations is empty"):
+    _init(layers.MlpBlock(mlp_dim=MLP, activations=()), x)
 
 
 def test_masks():

@@ -155,6 +155,46 @@ def test_param_count_matches_hand_formula():
   assert _param_count(_abstract(dec)) == _t511_param_count(_config(), decoder_only=True)
 
 
+_ALLOWED_ACTIVATIONS = r"\('gelu', 'gelu_exact', 'relu', 'silu', 'linear'\)"
+
+
+def test_mlp_activations_are_validated_and_stored_as_a_tuple():
+  assert _config().mlp_activations == ("gelu", "linear")
+  cfg = _config(mlp_activations=["relu"])  # gin may pass a list
+  assert cfg.mlp_activations == ("relu",)
+  hash(cfg)  # still hashable
+  with pytest.raises(ValueError, match=r"mlp_activations=\('relu', 'tanh'\) has unknown "
+                                       r"activation name\(s\) \['tanh'\]; allowed names are "
+                                       + _ALLOWED_ACTIVATIONS):
+    _config(mlp_activations=("relu", "tanh"))
+  with pytest.raises(ValueError, match="mlp_activations is empty; give one or more activation "
+                                       "names from " + _ALLOWED_ACTIVATIONS):
+    _config(mlp_activations=())
+  with pytest.raises(ValueError, match=r"such as \('relu',\), got the string 'relu'"):
+    _config(mlp_activations="relu")
+
+
+def test_t5_v1_0_relu_mlp_has_one_wi_kernel_per_layer():
+  cfg = _config(mlp_activations=("relu",))
+  params = _abstract(_model(transformer.EncoderDecoder(cfg)))["params"]
+  for stack, depth in (("encoder", ENC_LAYERS), ("decoder", DEC_LAYERS)):
+    for i in range(depth):
+      assert set(params[stack][f"layers_{i}"]["mlp"]) == {"wi", "wo"}, (stack, i)
+  wi = params["decoder"]["layers_1"]["mlp"]["wi"]["kernel"]
+  assert (tuple(wi.names), wi.value.shape) == ((ax.EMBED, ax.MLP), (EMBED, MLP))
+  # One input kernel fewer per layer than T5.1.1's 5704 parameters.
+  assert _param_count(params) == 5704 - (ENC_LAYERS + DEC_LAYERS) * EMBED * MLP
+
+
+def test_forward_flops_count_one_input_projection_per_activation():
+  gated = transformer.forward_flops(_config(), 2, DEC_LEN, ENC_LEN)
+  relu = transformer.forward_flops(_config(mlp_activations=("relu",)), 2, DEC_LEN, ENC_LEN)
+  tokens = 2 * (ENC_LAYERS * ENC_LEN + DEC_LAYERS * DEC_LEN)
+  assert gated["mlp"] == tokens * 6 * EMBED * MLP
+  assert relu["mlp"] == tokens * 4 * EMBED * MLP
+  assert relu["total"] == gated["total"] - tokens * 2 * EMBED * MLP
+
+
 def test_t5_1_1_base_shapes_without_allocating():
   cfg = _config(vocab_size=32128, emb_dim=768, num_heads=12, head_dim=64, mlp_dim=2048,
                 num_encoder_layers=12, num_decoder_layers=12,

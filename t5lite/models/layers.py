@@ -12,6 +12,12 @@ means "may attend"; the einsum attention turns them into an additive bias,
 `jax.nn.dot_product_attention` takes them as its `mask` (and T5's relative
 position biases as its `bias`).
 
+The feed-forward block is configurable by its activations (see
+`MLP_ACTIVATIONS`): one entry per input projection, whose activated outputs
+are multiplied elementwise. ('gelu', 'linear') is T5.1.1's gated GELU with
+kernels `wi_0`, `wi_1`; ('relu',) is T5 v1.0's (and Switch Transformers')
+plain ReLU MLP with a single kernel `wi`, as T5X and Hugging Face name it.
+
 bfloat16 matmuls request float32 results on the CPU, where that selects
 kernels about twice as fast as float32 ones (see `einsum`).
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -608,18 +615,95 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   return jax.nn.softmax(logits, axis=-1)
 
 
+def _identity(x: Array) -> Array:
+  return x
+
+
+# Activations an MLP input projection can have, by their T5X names. 'gelu'
+# is the tanh approximation that T5.1.1 was trained with (Hugging Face's
+# 'gelu_new'); 'gelu_exact' is the erf form.
+MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": _identity,
+}
+
+
+def validate_mlp_activations(activations: Sequence[str], owner: str) -> tuple[str, ...]:
+  """Checks a sequence of MLP activation names and returns it as a tuple.
+
+  Args:
+    activations: one name of `MLP_ACTIVATIONS` per input projection; a list
+      (as gin may pass) is accepted.
+    owner: what holds the value, for the message (e.g.
+      'TransformerConfig.mlp_activations').
+
+  Returns:
+    The names as a tuple.
+
+  Raises:
+    ValueError: `activations` is a bare string, is empty, or has a name
+      outside `MLP_ACTIVATIONS`.
+  """
+  allowed = tuple(MLP_ACTIVATIONS)
+  if isinstance(activations, str):
+    raise ValueError(f"{owner} must be a sequence of activation names such as "
+                     f"({activations!r},), got the string {activations!r}.")
+  activations = tuple(activations)
+  if not activations:
+    raise ValueError(f"{owner} is empty; give one or more activation names from {allowed}, "
+                     "e.g. ('relu',) or ('gelu', 'linear').")
+  unknown = [name for name in activations if name not in MLP_ACTIVATIONS]
+  if unknown:
+    raise ValueError(f"{owner}={activations!r} has unknown activation name(s) {unknown}; "
+                     f"allowed names are {allowed}.")
+  return activations
+
+
+def mlp_input_names(num_activations: int) -> tuple[str, ...]:
+  """Names of an MLP's input kernels: 'wi' alone (T5 v1.0, Switch), else 'wi_0', 'wi_1', ..."""
+  if num_activations == 1:
+    return ("wi",)
+  return tuple(f"wi_{i}" for i in range(num_activations))
+
+
+def activate_and_multiply(projections: Sequence[Array], activations: Sequence[str]) -> Array:
+  """Elementwise product of `MLP_ACTIVATIONS[activations[i]](projections[i])`.
+
+  Args:
+    projections: the input projections, all of one shape `[..., mlp]`.
+    activations: one validated name per projection.
+
+  Returns:
+    `[..., mlp]`.
+  """
+  hidden = None
+  for projection, name in zip(projections, activations, strict=True):
+    activated = MLP_ACTIVATIONS[name](projection)
+    hidden = activated if hidden is None else hidden * activated
+  return hidden
+
+
 class MlpBlock(nn.Module):
-  """T5.1.1 gated-GELU feed-forward: wo(gelu(wi_0 x) * wi_1 x).
+  """T5 feed-forward: wo(act_0(wi_0 x) * act_1(wi_1 x) * ...).
+
+  The default activations ('gelu', 'linear') make T5.1.1's gated GELU,
+  wo(gelu(wi_0 x) * wi_1 x); a single activation such as ('relu',) makes
+  T5 v1.0's wo(relu(wi x)), with its one input kernel named `wi`.
 
   Attributes:
     mlp_dim: hidden width.
     dtype: compute dtype.
     dropout_rate: dropout on the hidden activations.
+    activations: one name of `MLP_ACTIVATIONS` per input projection.
   """
 
   mlp_dim: int
   dtype: DType = jnp.float32
   dropout_rate: float = 0.0
+  activations: tuple[str, ...] = ("gelu", "linear")
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool = True) -> Array:
@@ -631,13 +715,16 @@ class MlpBlock(nn.Module):
 
     Returns:
       `[batch, length, embed]` in `dtype`.
-    """
-    def dense_in(name):
-      return DenseGeneral(self.mlp_dim, kernel_axes=(ax.EMBED, ax.MLP),
-                          dtype=self.dtype, name=name)(x)  # [batch, length, mlp]
 
-    # Tanh-approximate GELU is what T5.1.1 was trained with.
-    hidden = nn.gelu(dense_in("wi_0"), approximate=True) * dense_in("wi_1")
+    Raises:
+      ValueError: `activations` is empty or names an unknown activation.
+    """
+    activations = validate_mlp_activations(self.activations, "MlpBlock.activations")
+    projections = [
+        DenseGeneral(self.mlp_dim, kernel_axes=(ax.EMBED, ax.MLP), dtype=self.dtype,
+                     name=name)(x)  # [batch, length, mlp]
+        for name in mlp_input_names(len(activations))]
+    hidden = activate_and_multiply(projections, activations)
     hidden = nn.with_logical_constraint(hidden, (ax.BATCH, ax.LENGTH, ax.MLP))
     hidden = nn.Dropout(rate=self.dropout_rate)(hidden, deterministic=deterministic)
     out = DenseGeneral(x.shape[-1], kernel_axes=(ax.MLP, ax.EMBED),

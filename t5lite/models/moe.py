@@ -1,13 +1,18 @@
 """Mixture-of-Experts feed-forward layer: router, capacity, dispatch and combine.
 
-`MoeLayer` replaces the dense gated-GELU `MlpBlock` of a transformer layer
-with `num_experts` such MLPs and a learned router that sends each token to
-its top-k experts (k=1 is Switch routing, k=2 the ST-MoE default).
+`MoeLayer` replaces the dense `MlpBlock` of a transformer layer with
+`num_experts` MLPs of the same activations (gated GELU with `wi_0`, `wi_1`
+by default; ReLU with a single `wi` for Switch Transformers) and a learned
+router that sends each token to its top-k experts (k=1 is Switch routing,
+k=2 the ST-MoE default).
 
 Tokens are processed in groups, and groups are the unit of capacity: each
 expert takes at most `capacity` tokens from each group, so the computation
-has static shapes. Routing is expressed with one-hot dispatch/combine
-tensors and einsums, which are simple to read and shard:
+has static shapes. The capacity follows from a capacity factor (see
+`expert_capacity`), or is a fixed `MoeLayer.expert_capacity` (Hugging Face
+`SwitchTransformersConfig.expert_capacity`, which counts per sequence: the
+default one group per example). Routing is expressed with one-hot
+dispatch/combine tensors and einsums, which are simple to read and shard:
 
   inputs    [batch, length, embed] -> [groups, tokens, embed]
   dispatch  [groups, tokens, experts, capacity]  (0/1)
@@ -32,10 +37,19 @@ so on; among choices of the same rank, to tokens earlier in the group, or,
 with `batch_prioritized_routing`, to tokens whose top-1 router probability is
 higher (V-MoE "batch prioritized routing"). A token none of whose choices
 found a slot gets exactly zero output from this layer, so the residual
-connection carries it through unchanged.
+connection carries it through unchanged. (Hugging Face Switch Transformers
+releases differ on overflow: 4.x passes such a token's normalized input
+through, scaled by its router probability, and its later rewrite enforces no
+capacity. Outputs match Hugging Face exactly when no token overflows.)
 
-Padding tokens are routed like any other token (as in T5X): they take
-capacity and count in the statistics below.
+Combine weights. Each chosen expert's output is scaled by its router
+probability, as in T5X and Switch (with k=1 the output is `p * expert(x)`);
+with `renormalize_router_weights` the k probabilities are first divided by
+their sum (so top-1 gets weight 1.0). The router always runs in float32,
+inputs and kernel cast up, since the softmax is sensitive to rounding.
+
+Padding tokens are routed like any other token (as in T5X and Hugging
+Face): they take capacity and count in the statistics below.
 """
 
 from __future__ import annotations
@@ -280,11 +294,11 @@ def _positions_in_experts(expert_index: Array, num_experts: int,
 
 
 def route_top_k(router_probs: Array, num_selected_experts: int, capacity: int,
-                batch_prioritized_routing: bool = False) -> Routing:
+                batch_prioritized_routing: bool = False, renormalize: bool = False) -> Routing:
   """Tokens-choose top-k routing with a per-expert capacity.
 
-  Gates are the router probabilities of the chosen experts, not
-  renormalised over the k choices (T5X), so with k=1 the output is the
+  By default the gates are the router probabilities of the chosen experts,
+  not renormalised over the k choices (T5X), so with k=1 the output is the
   expert's output scaled by its probability, as in Switch.
 
   Args:
@@ -293,12 +307,16 @@ def route_top_k(router_probs: Array, num_selected_experts: int, capacity: int,
     capacity: slots per expert per group.
     batch_prioritized_routing: give slots to confident tokens first instead
       of to earlier tokens (see the module docstring).
+    renormalize: divide the k chosen probabilities by their sum before they
+      weight the experts' outputs (dropped choices included in the sum).
+      Priorities and `router_confidence` use the raw probabilities.
 
   Returns:
     The dispatch/combine tensors and statistics.
   """
   num_experts = router_probs.shape[-1]
   gates, expert_index = _top_k(router_probs, num_selected_experts)  # [groups, tokens, k]
+  weights = gates / jnp.sum(gates, axis=-1, keepdims=True) if renormalize else gates
   order = _priority_order(gates) if batch_prioritized_routing else None
   rank = _positions_in_experts(expert_index, num_experts, order)
   kept = rank < capacity  # [groups, tokens, k]
@@ -309,7 +327,7 @@ def route_top_k(router_probs: Array, num_selected_experts: int, capacity: int,
   # [groups, tokens, k, experts] x [groups, tokens, k, capacity]
   #   -> [groups, tokens, experts, capacity]
   dispatch = jnp.einsum("gtke,gtkc->gtec", chosen, slot)
-  combine = jnp.einsum("gtke,gtkc->gtec", chosen * gates[..., None], slot)
+  combine = jnp.einsum("gtke,gtkc->gtec", chosen * weights[..., None], slot)
   left_behind = jnp.logical_not(jnp.any(kept, axis=-1))  # [groups, tokens]
   return Routing(
       dispatch=dispatch, combine=combine,
@@ -343,12 +361,14 @@ def _expert_kernel_init() -> nn.initializers.Initializer:
 
 
 class MoeLayer(nn.Module):
-  """Top-k routed Mixture-of-Experts gated-GELU feed-forward layer.
+  """Top-k routed Mixture-of-Experts feed-forward layer.
 
   Parameters: `router/kernel [embed, experts]` with axes (EMBED, None) so it
-  stays replicated (it is tiny); `wi_0`, `wi_1` `[experts, embed, expert_mlp]`
-  with axes (EXPERT, EMBED, EXPERT_MLP) and `wo` `[experts, expert_mlp, embed]`
-  with axes (EXPERT, EXPERT_MLP, EMBED). Each expert is a `layers.MlpBlock`.
+  stays replicated (it is tiny); one input kernel per activation,
+  `[experts, embed, expert_mlp]` with axes (EXPERT, EMBED, EXPERT_MLP), named
+  `wi` alone or `wi_0`, `wi_1`, ... (see `layers.mlp_input_names`); and `wo`
+  `[experts, expert_mlp, embed]` with axes (EXPERT, EXPERT_MLP, EMBED). Each
+  expert computes what a `layers.MlpBlock` of the same activations does.
 
   Sows float32 scalars under `intermediates` (collect them with
   `mutable=['intermediates']`): auxiliary_loss, router_z_loss,
@@ -371,6 +391,14 @@ class MoeLayer(nn.Module):
       instead of by position.
     dtype: compute dtype of the experts; the router always runs in float32.
     dropout_rate: dropout on the experts' hidden activations.
+    activations: the experts' activations, one name of
+      `layers.MLP_ACTIVATIONS` per input kernel (('relu',) for Switch).
+    expert_capacity: fixed slots per expert per group, clamped to the
+      group's tokens; overrides both capacity factors and
+      `min_expert_capacity`. None derives the capacity from the factors.
+    renormalize_router_weights: weight the chosen experts' outputs by their
+      router probabilities divided by the sum over the k choices, instead of
+      by the raw probabilities (T5X and Switch).
   """
 
   num_experts: int
@@ -384,6 +412,9 @@ class MoeLayer(nn.Module):
   batch_prioritized_routing: bool = False
   dtype: DType = jnp.float32
   dropout_rate: float = 0.0
+  activations: tuple[str, ...] = ("gelu", "linear")
+  expert_capacity: int | None = None
+  renormalize_router_weights: bool = False
 
   def _validate(self) -> None:
     if self.num_experts < 1:
@@ -392,8 +423,10 @@ class MoeLayer(nn.Module):
       raise ValueError(
           f"MoeLayer.num_selected_experts must be in [1, num_experts={self.num_experts}], "
           f"got {self.num_selected_experts}.")
-    if self.group_size is not None and self.group_size < 1:
-      raise ValueError(f"MoeLayer.group_size must be >= 1 or None, got {self.group_size}.")
+    for name in ("group_size", "expert_capacity"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
+        raise ValueError(f"MoeLayer.{name} must be >= 1 or None, got {getattr(self, name)}.")
+    layers.validate_mlp_activations(self.activations, "MoeLayer.activations")
     if not 0.0 <= self.router_jitter_noise < 1.0:
       raise ValueError("MoeLayer.router_jitter_noise must be in [0, 1), got "
                        f"{self.router_jitter_noise}.")
@@ -408,6 +441,9 @@ class MoeLayer(nn.Module):
 
     Returns:
       `[batch, length, embed]` in `dtype`; zero for tokens left behind.
+
+    Raises:
+      ValueError: an attribute is out of range or names an unknown activation.
     """
     self._validate()
     batch, length, embed = x.shape
@@ -417,11 +453,9 @@ class MoeLayer(nn.Module):
     grouped = nn.with_logical_constraint(grouped, (ax.BATCH, None, ax.EMBED))
     router_logits = self._router_logits(grouped, deterministic)
     router_probs = jax.nn.softmax(router_logits, axis=-1)  # [groups, tokens, experts]
-    factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-    capacity = expert_capacity(tokens, self.num_experts, self.num_selected_experts, factor,
-                               self.min_expert_capacity)
-    routing = route_top_k(router_probs, self.num_selected_experts, capacity,
-                          self.batch_prioritized_routing)
+    routing = route_top_k(router_probs, self.num_selected_experts,
+                          self._capacity(tokens, deterministic),
+                          self.batch_prioritized_routing, self.renormalize_router_weights)
     self._sow_metrics(router_logits, router_probs, routing)
     grouped = jnp.asarray(grouped, self.dtype)
     # Dispatch where the group lives: [groups, tokens, experts, capacity] x
@@ -437,6 +471,19 @@ class MoeLayer(nn.Module):
     out = nn.with_logical_constraint(out, (ax.BATCH, None, ax.EMBED))
     out = out.reshape(batch, length, embed)  # [batch, length, embed]
     return nn.with_logical_constraint(out, (ax.BATCH, ax.LENGTH, ax.EMBED))
+
+  def _capacity(self, tokens: int, deterministic: bool) -> int:
+    """Slots per expert in a group of `tokens` tokens.
+
+    The fixed `expert_capacity` when set, clamped to the group like a
+    factor-derived capacity (slots beyond the group's tokens stay empty);
+    otherwise derived from the capacity factor of the mode.
+    """
+    if self.expert_capacity is not None:
+      return min(self.expert_capacity, tokens)
+    factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
+    return expert_capacity(tokens, self.num_experts, self.num_selected_experts, factor,
+                           self.min_expert_capacity)
 
   def _router_logits(self, grouped: Array, deterministic: bool) -> Array:
     """float32 `[groups, tokens, experts]` logits; float32 because the softmax
@@ -468,7 +515,7 @@ class MoeLayer(nn.Module):
     return jnp.asarray(kernel, self.dtype)
 
   def _experts(self, x: Array, deterministic: bool) -> Array:
-    """Every expert's gated-GELU MLP on its own slots.
+    """Every expert's MLP on its own slots.
 
     Args:
       x: `[experts, groups, capacity, embed]`.
@@ -482,11 +529,11 @@ class MoeLayer(nn.Module):
     in_axes = (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP)
     hidden_axes = (ax.EXPERT, ax.BATCH, None, ax.EXPERT_MLP)
     # [experts, groups, capacity, embed] x [experts, embed, expert_mlp]
-    #   -> [experts, groups, capacity, expert_mlp]
-    h0 = layers.einsum("egcd,edh->egch", x, self._kernel("wi_0", in_shape, in_axes), self.dtype)
-    h1 = layers.einsum("egcd,edh->egch", x, self._kernel("wi_1", in_shape, in_axes), self.dtype)
-    # Tanh-approximate GELU, as in the dense T5.1.1 MlpBlock.
-    hidden = nn.gelu(h0, approximate=True) * h1
+    #   -> [experts, groups, capacity, expert_mlp], one per input kernel.
+    projections = [layers.einsum("egcd,edh->egch", x, self._kernel(name, in_shape, in_axes),
+                                 self.dtype)
+                   for name in layers.mlp_input_names(len(self.activations))]
+    hidden = layers.activate_and_multiply(projections, self.activations)
     hidden = nn.with_logical_constraint(hidden, hidden_axes)
     hidden = nn.Dropout(rate=self.dropout_rate)(hidden, deterministic=deterministic)
     wo = self._kernel("wo", (self.num_experts, self.expert_mlp_dim, embed),

@@ -8,7 +8,7 @@ leading LAYERS axis when `scan_layers=True`):
   encoder/layers_{i}/pre_attention_layer_norm/scale
   encoder/layers_{i}/attention/{query,key,value,out}/kernel
   encoder/layers_{i}/pre_mlp_layer_norm/scale
-  encoder/layers_{i}/mlp/{wi_0,wi_1,wo}/kernel
+  encoder/layers_{i}/mlp/{wi_0,wi_1,wo}/kernel   wi_* [embed, mlp], wo [mlp, embed]
   encoder/encoder_norm/scale
   decoder/relpos_bias/rel_embedding
   decoder/layers_{i}/pre_self_attention_layer_norm, self_attention,
@@ -24,6 +24,15 @@ ST-MoE), `mlp` is replaced by `moe` (see `moe.MoeLayer`):
   .../layers_{i}/moe/router/kernel               [embed, experts]
   .../layers_{i}/moe/{wi_0,wi_1}                 [expert, embed, expert_mlp]
   .../layers_{i}/moe/wo                          [expert, expert_mlp, embed]
+
+Variants are configuration, not forks. `mlp_activations` gives one input
+kernel per activation, their activated outputs multiplied elementwise: the
+default ('gelu', 'linear') is T5.1.1's gated GELU above; a single activation
+names its kernel `wi` (`mlp/wi/kernel`, `moe/wi`), as T5X and Hugging Face
+do. T5 v1.0 is `mlp_activations=('relu',)`. Switch Transformers (Hugging
+Face) is ReLU experts, `num_selected_experts=1`, `moe_layer_interval=2`, a
+fixed `expert_capacity` per sequence (`group_size=None`) and
+`renormalize_router_weights=False`.
 
 Scanned MoE stacks scan over blocks of `moe_layer_interval` layers whose last
 layer is sparse: `layers/layers_{j}` for j < interval, each with a leading
@@ -46,7 +55,8 @@ MoE layers route tokens in groups whose capacity depends on the group's
 token count, so a cached decode can route differently from a full forward
 pass: a step routes only the current token of each example, a full pass the
 whole sequence (padding included). The two agree exactly only when no token
-is dropped: dropless (`eval_capacity_factor <= 0`) or a generous capacity.
+is dropped: dropless (`eval_capacity_factor <= 0`) or a generous capacity
+(an `expert_capacity` of at least the sequence length).
 """
 
 from __future__ import annotations
@@ -82,11 +92,17 @@ class TransformerConfig:
     num_encoder_layers: encoder depth (unused by DecoderOnly).
     num_decoder_layers: decoder depth.
     head_dim: per-head width d_kv.
-    mlp_dim: gated-GELU hidden width d_ff.
+    mlp_dim: MLP hidden width d_ff.
     dropout_rate: dropout after embeddings, on attention weights, in the MLP
       and on every residual branch.
     dtype: activation/compute dtype name; parameters are always float32.
     logits_via_embedding: tie the output layer to the token embedding.
+    mlp_activations: activation of each MLP input projection (dense and
+      expert MLPs alike), multiplied elementwise: ('gelu', 'linear') is
+      T5.1.1's gated GELU (kernels `wi_0`, `wi_1`), ('relu',) T5 v1.0's and
+      Switch Transformers' MLP (one kernel, `wi`). Names: 'gelu' (tanh
+      approximation, Hugging Face 'gelu_new'), 'gelu_exact' (erf), 'relu',
+      'silu', 'linear' (identity). A list (from gin) is stored as a tuple.
     relative_attention_num_buckets: relative-position buckets.
     relative_attention_max_distance: distance sharing the last bucket.
     float32_attention_logits: compute attention softmax in float32.
@@ -110,6 +126,15 @@ class TransformerConfig:
     expert_mlp_dim: hidden width of each expert; None uses `mlp_dim`.
     batch_prioritized_routing: when experts overflow, keep the tokens the
       router is most confident about instead of the earliest ones.
+    expert_capacity: fixed slots per expert per routing group (>= 1),
+      clamped to the group's tokens; overrides the capacity factors and
+      `min_expert_capacity`. With `group_size=None` it counts per sequence,
+      like Hugging Face `SwitchTransformersConfig.expert_capacity`. None
+      derives the capacity from the factors.
+    renormalize_router_weights: weight each chosen expert's output by its
+      router probability divided by the sum over the k chosen experts (top-1
+      then gets weight 1.0). False (the default, T5X and Switch) uses the raw
+      softmax probability: top-1 output is `p * expert(x)`.
     remat_policy: what each layer keeps for the backward pass: 'none' keeps
       every activation, 'full' only the layer's inputs and recomputes the
       rest, 'dots_saveable' keeps the matmul outputs and recomputes the
@@ -131,6 +156,7 @@ class TransformerConfig:
   dropout_rate: float = 0.1
   dtype: str = "float32"
   logits_via_embedding: bool = False
+  mlp_activations: tuple[str, ...] = ("gelu", "linear")
   relative_attention_num_buckets: int = 32
   relative_attention_max_distance: int = 128
   float32_attention_logits: bool = True
@@ -145,6 +171,8 @@ class TransformerConfig:
   router_jitter_noise: float = 0.0
   expert_mlp_dim: int | None = None
   batch_prioritized_routing: bool = False
+  expert_capacity: int | None = None
+  renormalize_router_weights: bool = False
   remat_policy: str = "none"
   attention_impl: str = "dot_product_attention"
 
@@ -161,6 +189,9 @@ class TransformerConfig:
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(
           f"TransformerConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}.")
+    # Frozen, so set through object; a tuple keeps the config hashable.
+    object.__setattr__(self, "mlp_activations", layers.validate_mlp_activations(
+        self.mlp_activations, "TransformerConfig.mlp_activations"))
     if self.dtype not in _DTYPES:
       raise ValueError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
                        f"use one of {_DTYPES}.")
@@ -186,7 +217,7 @@ class TransformerConfig:
     for name in at_least_one:
       if getattr(self, name) < 1:
         raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
-    for name in ("group_size", "expert_mlp_dim"):
+    for name in ("group_size", "expert_mlp_dim", "expert_capacity"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(
             f"TransformerConfig.{name} must be >= 1 or None, got {getattr(self, name)}.")
@@ -233,18 +264,21 @@ def _moe(cfg: TransformerConfig) -> moe.MoeLayer:
       min_expert_capacity=cfg.min_expert_capacity, group_size=cfg.group_size,
       router_jitter_noise=cfg.router_jitter_noise,
       batch_prioritized_routing=cfg.batch_prioritized_routing, dtype=cfg.compute_dtype,
-      dropout_rate=cfg.dropout_rate, name="moe")
+      dropout_rate=cfg.dropout_rate, activations=cfg.mlp_activations,
+      expert_capacity=cfg.expert_capacity,
+      renormalize_router_weights=cfg.renormalize_router_weights, name="moe")
 
 
 def _mlp_residual(cfg: TransformerConfig, x: Array, deterministic: bool,
                   use_moe: bool = False) -> Array:
-  """Pre-norm gated-GELU MLP (dense or MoE) with a residual connection."""
+  """Pre-norm MLP (dense or MoE) with a residual connection."""
   y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
   if use_moe:
     y = _moe(cfg)(y, deterministic)
   else:
     y = layers.MlpBlock(mlp_dim=cfg.mlp_dim, dtype=cfg.compute_dtype,
-                        dropout_rate=cfg.dropout_rate, name="mlp")(y, deterministic)
+                        dropout_rate=cfg.dropout_rate, activations=cfg.mlp_activations,
+                        name="mlp")(y, deterministic)
   x = x + _dropout(cfg, y, deterministic)
   return nn.with_logical_constraint(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
 
@@ -547,13 +581,15 @@ def forward_flops(cfg: TransformerConfig, batch_size: int, decoder_length: int,
                            example, for encoder self-, decoder self- and
                            cross-attention; causal attention is counted over
                            the whole square, which is what is computed
-    mlp                    dense gated-GELU layers: 6 * d * f per token
-    moe_experts            only the k selected experts: k * 6 * d * f_e per
-                           token (not the capacity slots actually computed)
+    mlp                    dense MLP layers: 2 * (a + 1) * d * f per token
+                           (6 * d * f for gated GELU, 4 * d * f for ReLU)
+    moe_experts            only the k selected experts: k * 2 * (a + 1) * d * f_e
+                           per token (not the capacity slots actually computed)
     moe_router             2 * d * E per token
     logits                 2 * d * V per decoder token
 
-  with d = emb_dim, H = num_heads * head_dim, f = mlp_dim, f_e =
+  with d = emb_dim, H = num_heads * head_dim, f = mlp_dim, a =
+  len(mlp_activations) input projections, f_e =
   expert_mlp_dim (or mlp_dim), E = num_experts, k = num_selected_experts and
   V = vocab_size. Embedding lookups, relative-position biases, norms,
   softmaxes, the loss and MoE dispatch/combine are not model FLOPs. A
@@ -575,13 +611,16 @@ def forward_flops(cfg: TransformerConfig, batch_size: int, decoder_length: int,
   flops = dict.fromkeys(("attention_projections", "attention_scores", "mlp", "moe_experts",
                          "moe_router", "logits"), 0.0)
 
+  # FLOPs per token and hidden unit: a multiply-add in each input projection and wo.
+  mlp_matmuls = 2 * (len(cfg.mlp_activations) + 1) * d
+
   def add_mlp(index: int, tokens: int) -> None:
     if cfg.is_moe_layer(index):
       expert_mlp = cfg.expert_mlp_dim or cfg.mlp_dim
-      flops["moe_experts"] += tokens * cfg.num_selected_experts * 6 * d * expert_mlp
+      flops["moe_experts"] += tokens * cfg.num_selected_experts * mlp_matmuls * expert_mlp
       flops["moe_router"] += tokens * 2 * d * cfg.num_experts
     else:
-      flops["mlp"] += tokens * 6 * d * cfg.mlp_dim
+      flops["mlp"] += tokens * mlp_matmuls * cfg.mlp_dim
 
   enc, dec = encoder_length, decoder_length
   if enc:
