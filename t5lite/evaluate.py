@@ -348,9 +348,9 @@ def export_huggingface(*, model: Any, partitioner: Partitioner,
   partitioner.validate()
   _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, directory)
   params = restore(step)
-  if jax.process_index() != 0:
-    return []
-  written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary)
+  # Every process joins the gather of the parameters; process 0 writes.
+  written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary,
+                                       write=jax.process_index() == 0)
   metrics_lib.log_line(f"Wrote a Hugging Face folder of {directory} (step {step}) to "
                        f"{output_dir}: {', '.join(os.path.basename(w) for w in written)}")
   return written

@@ -10,6 +10,8 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from t5lite import testing
 
 import interop_helpers as h
@@ -75,3 +77,32 @@ def test_import_reads_shards_into_the_training_shardings():
     assert got["sharded"] > 20  # most kernels are split over the 8 devices
     assert got["reads"] > 0 and got["not_a_shard"] == 0  # each read is one device's shard
     assert got["max_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_two_processes_import_and_decode_like_one(tmp_path):
+  """A T5X checkpoint read by a 2-process FSDP job (each process reading its
+  own shards) decodes exactly what one process decodes."""
+  from multihost import run_two_processes
+  from test_cli import run_cli
+
+  checkpoint = h.T5X_CHECKPOINTS["a", "orbax"]
+  (tmp_path / "inputs.txt").write_text("The cat sat on the mat.\nHello world\nabc\nxyz\n")
+  result = run_cli([f"--source={checkpoint}", "--output=a.gin"], str(tmp_path),
+                   script="t5lite-import")
+  assert result.returncode == 0, result.stderr[-2000:]
+
+  def args(out):
+    return ["--gin_file=a.gin", "--gin_file=gin/runs/infer.gin",
+            "--gin_file=gin/partitioning/fsdp.gin", f"--gin.CHECKPOINT_PATH='{checkpoint}'",
+            f"--gin.INFER_OUTPUT_DIR='{out}'", "--gin.INPUT_FILE='inputs.txt'",
+            "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 32}", "--gin.BATCH_SIZE=8"]
+
+  one = run_cli(args("one"), str(tmp_path), script="t5lite-infer")
+  assert one.returncode == 0, one.stderr[-2000:]
+  results = run_two_processes(lambda i: args("two"), cwd=str(tmp_path), script="t5lite-infer",
+                              timeout=500)
+  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+  want = (tmp_path / "one" / "inputs-20.jsonl").read_text()
+  assert len(want.splitlines()) == 4
+  assert (tmp_path / "two" / "inputs-20.jsonl").read_text() == want

@@ -248,7 +248,7 @@ def _unscan(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
-                       vocabulary: Any) -> list[str]:
+                       vocabulary: Any, write: bool = True) -> list[str]:
   """Writes a t5lite encoder-decoder's parameters as a Hugging Face folder.
 
   Args:
@@ -258,12 +258,16 @@ def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
     output_dir: the folder to write.
     vocabulary: the model's input vocabulary; a SentencePiece one is copied
       as `spiece.model`.
+    write: whether this process writes (in a multi-process job, only one
+      should; all of them gather).
 
   Returns:
-    The files written.
+    The files written (none when `write` is False).
   """
   from jax.experimental import multihost_utils
   host = {name: np.asarray(multihost_utils.process_allgather(value, tiled=True))
           for name, value in _flatten(params).items()}
+  if not write:
+    return []
   spiece = getattr(vocabulary, "sentencepiece_model_file", None)
   return huggingface.export(_unscan(host), fields, output_dir, spiece)
