@@ -82,11 +82,19 @@ def test_scanned_model_imports_per_layer_checkpoint(network):
                              rtol=0, atol=1e-4)
 
 
-def _write_stacked_checkpoint(tmp_path, network):
+def _write_stacked_checkpoint(tmp_path, network, relpos_in_layers=False):
   """A T5X Orbax checkpoint whose layers are stacked on axis 1 (scalable_t5's
-  `param_scan_axis`), made from the per-layer fixture."""
+  `param_scan_axis`), made from the per-layer fixture; with
+  `relpos_in_layers`, every layer holds a copy of its stack's table as
+  scalable_t5's `relative_posemb` (and the stack none)."""
   source = t5x.T5xCheckpoint(h.T5X_CHECKPOINTS[network, "orbax"])
   per_layer = {name: array.read() for name, array in source.arrays.items()}
+  if relpos_in_layers:
+    for stack in ("encoder", "decoder"):
+      table = per_layer.pop(f"target/{stack}/relpos_bias/rel_embedding", None)
+      layers = {n.split("/")[2] for n in per_layer if n.startswith(f"target/{stack}/layers_")}
+      for layer in layers:
+        per_layer[f"target/{stack}/{layer}/relative_posemb/rel_embedding"] = table
   tree, stacked = {}, {}
   for name, value in per_layer.items():
     parts = name.split("/")
@@ -118,6 +126,26 @@ def test_layers_stacked_on_one_axis_import(tmp_path, network, scan):
   params = interop.load_params(path, h.abstract_params(model, batch))
   np.testing.assert_allclose(np.asarray(model.predict_logits(params, batch)),
                              h.t5x_reference(network)["logits"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("network", ["a", "c"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_scalable_t5_layout_with_a_table_in_every_layer_imports(tmp_path, network, scan):
+  path = _write_stacked_checkpoint(tmp_path, network, relpos_in_layers=True)
+  names = set(t5x.T5xCheckpoint(path).arrays)
+  assert "target/decoder/layers/relative_posemb/rel_embedding" in names
+  assert "target/decoder/relpos_bias/rel_embedding" not in names
+  _, _, fields, _ = interop.describe(path)
+  assert fields["relpos_per_layer"] is True
+  model = h.t5x_model(network, scan_layers=scan, relpos_per_layer=True)
+  batch = h.t5x_batch(network)
+  params = interop.load_params(path, h.abstract_params(model, batch))
+  ref = h.t5x_reference(network)
+  np.testing.assert_allclose(np.asarray(model.predict_logits(params, batch)), ref["logits"],
+                             rtol=0, atol=1e-4)
+  if network == "a":
+    np.testing.assert_array_equal(np.asarray(model.predict_batch(params, batch)),
+                                  ref["greedy_decodes"])
 
 
 def test_model_dir_resolves_to_its_newest_step(tmp_path):

@@ -530,3 +530,136 @@ def test_training_on_a_copy_task_lowers_the_loss():
     losses.append(float(loss))
   assert np.mean(losses[:10]) > 3.0
   assert np.mean(losses[-20:]) < 0.25 * np.mean(losses[:10])
+
+
+# ---------------------------------------------------------------------------
+# Relative-position tables per layer (relpos_per_layer, T5X scalable_t5).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, blocks", [
+    ({}, None),
+    (dict(scan_layers=True), None),
+    (dict(scan_layers=True, num_experts=4, moe_layer_interval=2, num_decoder_layers=4), 2),
+], ids=["unscanned", "scanned", "scanned-moe"])
+def test_relpos_per_layer_gives_every_layer_its_own_table(overrides, blocks):
+  cfg = _config(relpos_per_layer=True, **overrides)
+  params = _abstract(_model(transformer.EncoderDecoder(cfg)))["params"]
+  table = (ax.HEADS, ax.RELPOS_BUCKETS)
+  for stack, depth in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+    assert "relpos_bias" not in params[stack], stack
+    if not cfg.scan_layers:
+      found = {name: params[stack][name]["relpos_bias"]["rel_embedding"]
+               for name in (f"layers_{i}" for i in range(depth))}
+      expected = {name: (table, (HEADS, BUCKETS)) for name in found}
+    elif blocks is None:
+      found = {"layers": params[stack]["layers"]["relpos_bias"]["rel_embedding"]}
+      expected = {"layers": ((ax.LAYERS, *table), (depth, HEADS, BUCKETS))}
+    else:  # every member of the scanned MoE block, a leading blocks axis
+      found = {j: params[stack]["layers"][f"layers_{j}"]["relpos_bias"]["rel_embedding"]
+               for j in range(cfg.moe_layer_interval)}
+      expected = {j: ((ax.LAYERS, *table), (depth // blocks, HEADS, BUCKETS)) for j in found}
+    assert {k: (tuple(v.names), v.value.shape) for k, v in found.items()} == expected, stack
+  if not cfg.num_experts:
+    # One [heads, buckets] table per layer instead of one per stack.
+    extra = (ENC_LAYERS + DEC_LAYERS - 2) * HEADS * BUCKETS
+    assert _param_count(nn.unbox(params)) == 5704 + extra
+
+
+def _per_layer_tables(shared_params, scanned):
+  """Params of a relpos_per_layer model: each stack's shared table copied
+  into every layer (stacked along LAYERS for scanned layers)."""
+  out = {}
+  for name, subtree in shared_params.items():
+    if name not in ("encoder", "decoder"):
+      out[name] = subtree
+      continue
+    stack = dict(subtree)
+    table = stack.pop("relpos_bias")
+    if scanned:
+      depth = len(jax.tree.leaves(stack["layers"])[0])
+      stack["layers"] = dict(stack["layers"], relpos_bias=jax.tree.map(
+          lambda t, n=depth: jnp.broadcast_to(t, (n, *t.shape)), table))
+    else:
+      for key in [k for k in stack if k.startswith("layers_")]:
+        stack[key] = dict(stack[key], relpos_bias=table)
+    out[name] = stack
+  return out
+
+
+def _relpos_setup(network, scan):
+  """Shared and per-layer (model, params, logits_fn) and a batch for both.
+
+  The per-layer params copy the shared model's tables into every layer.
+  """
+  build = _encdec if network == "encdec" else _decoder_only
+  shared_model, shared_params, shared_fn = build(scan_layers=scan)
+  per_layer_model, per_layer_init, per_layer_fn = build(scan_layers=scan, relpos_per_layer=True)
+  per_layer_params = _per_layer_tables(shared_params, scan)
+  assert jax.tree.map(jnp.shape, per_layer_params) == jax.tree.map(jnp.shape, per_layer_init)
+  batch = _encdec_batch(seed=3)
+  batch["decoder_causal_attention"] = jnp.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+  batch["decoder_target_tokens"] = batch["decoder_target_tokens"].at[1, 5:].set(0)
+  return ((shared_model, shared_params, shared_fn),
+          (per_layer_model, per_layer_params, per_layer_fn), batch)
+
+
+def _greedy_decode(model, params, batch, use_cache=True):
+  """Greedy tokens `[batch, 5]` and their log-probability `[batch]` (cached
+  unless `use_cache=False`)."""
+  decoder = _model(model.module, max_decode_length=5,
+                   **({} if isinstance(model.module, transformer.EncoderDecoder)
+                      else dict(inputs_bidirectional_attention=True)))
+  run = jax.jit(functools.partial(decoder.decode_batch, use_cache=use_cache))
+  tokens, scores = run(params, batch)
+  return np.asarray(tokens[:, -1]), np.asarray(scores[:, -1])
+
+
+def _assert_same_decodes(a, b):
+  np.testing.assert_array_equal(a[0], b[0])
+  # Equal tokens can hide a wrong step bias; their scores cannot.
+  np.testing.assert_allclose(a[1], b[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+@pytest.mark.parametrize("network", ["encdec", "decoder_only"])
+def test_relpos_per_layer_with_equal_tables_equals_the_shared_table(network, scan):
+  shared, per_layer, batch = _relpos_setup(network, scan)
+  (shared_model, shared_params, shared_fn), (_, per_layer_params, per_layer_fn) = shared, per_layer
+  np.testing.assert_allclose(per_layer_fn(per_layer_params, batch),
+                             shared_fn(shared_params, batch), rtol=0, atol=1e-6)
+  # Cached decoding: prefill, then one step per token with the rows of the
+  # current position, in every layer.
+  _assert_same_decodes(_greedy_decode(per_layer[0], per_layer_params, batch),
+                       _greedy_decode(shared_model, shared_params, batch))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+@pytest.mark.parametrize("network", ["encdec", "decoder_only"])
+def test_relpos_per_layer_uses_each_layers_own_table(network, scan):
+  shared, per_layer, batch = _relpos_setup(network, scan)
+  (_, shared_params, shared_fn), (per_layer_model, params, per_layer_fn) = shared, per_layer
+  reference = per_layer_fn(params, batch)  # equal tables
+  stacks = ("encoder", "decoder") if network == "encdec" else ("decoder",)
+  rng = np.random.default_rng(1)
+  for stack in stacks:
+    # Change only the LAST layer's table, so reading one table for all
+    # layers (or the stack's) would not notice.
+    if scan:
+      old = params[stack]["layers"]["relpos_bias"]["rel_embedding"]
+      new = old.at[-1].add(rng.normal(0.0, 1.0, old.shape[1:]))
+      layer = dict(params[stack]["layers"], relpos_bias={"rel_embedding": new})
+      params = {**params, stack: {**params[stack], "layers": layer}}
+    else:
+      last = [k for k in params[stack] if k.startswith("layers_")][-1]
+      old = params[stack][last]["relpos_bias"]["rel_embedding"]
+      new = old + rng.normal(0.0, 1.0, old.shape)
+      layer = dict(params[stack][last], relpos_bias={"rel_embedding": new})
+      params = {**params, stack: {**params[stack], last: layer}}
+    logits = per_layer_fn(params, batch)
+    assert np.abs(np.asarray(logits - reference)).max() > 1e-3, stack
+    reference = logits
+  assert np.abs(np.asarray(reference - shared_fn(shared_params, batch))).max() > 1e-3
+  # Distinct tables per layer still decode the same with and without the cache.
+  _assert_same_decodes(_greedy_decode(per_layer_model, params, batch),
+                       _greedy_decode(per_layer_model, params, batch, use_cache=False))

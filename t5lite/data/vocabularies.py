@@ -64,11 +64,10 @@ def sentencepiece_vocabulary(
   """
   path = pathlib.Path(model_path) if model_path is not None else DEFAULT_SPM_MODEL
   if not path.is_file():
-    raise ValueError(
-        f"SentencePiece model '{path}' does not exist. Pass an existing "
-        ".model file, or regenerate the shipped one with "
-        "`python -m t5lite.data.build_corpus`."
-    )
+    fix = ("regenerate it with `python -m t5lite.data.build_corpus`" if model_path is None
+           else "pass an existing .model file (a Hugging Face T5 folder has it as "
+           "spiece.model)")
+    raise ValueError(f"SentencePiece model '{path}' does not exist; {fix}.")
   return seqio.SentencePieceVocabulary(str(path), extra_ids=extra_ids)
 
 

@@ -18,6 +18,7 @@ DECODER_ONLY = "decoder_only"
 _FIELDS = ("vocab_size", "emb_dim", "num_heads", "num_encoder_layers", "num_decoder_layers",
            "head_dim", "mlp_dim", "mlp_activations", "logits_via_embedding",
            "relative_attention_num_buckets", "relative_attention_max_distance",
+           "relpos_per_layer",
            "num_experts", "num_selected_experts", "moe_layer_interval", "expert_capacity",
            "renormalize_router_weights", "group_size", "expert_mlp_dim",
            "router_jitter_noise")

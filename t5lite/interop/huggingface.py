@@ -366,6 +366,9 @@ def hf_config(fields: dict[str, Any]) -> dict[str, Any]:
     ValueError: the model has no Hugging Face counterpart.
   """
   activations = tuple(fields["mlp_activations"])
+  if fields.get("relpos_per_layer"):
+    raise ValueError("relpos_per_layer=True has no Hugging Face T5 counterpart, which shares "
+                     "one relative-position table per stack.")
   if activations not in _ACTIVATION_NAMES:
     raise ValueError(f"mlp_activations {activations} has no Hugging Face T5 counterpart; "
                      f"those are {sorted(_ACTIVATIONS.values())}.")

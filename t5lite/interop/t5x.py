@@ -18,9 +18,11 @@ optimizer slots (`state/param_states/...`, `state/step`), (b) moves the
 decoder-only embedding `decoder/token_embedder` to t5lite's top-level
 `token_embedder`, and (c) splits 2-D attention kernels `[embed,
 heads*head_dim]` into t5lite's `[embed, heads, head_dim]` (`out` the other
-way round), taking `heads` from the stack's relative-position table. Layers
+way round), taking `heads` from the relative-position table. Layers
 stacked on one axis (`encoder/layers/...`, T5X's scalable_t5 with
-`param_scan_axis`, 1 by default) are unstacked into `layers_{i}`.
+`param_scan_axis`, 1 by default) are unstacked into `layers_{i}`, and
+scalable_t5's table in every layer (`relative_posemb`) becomes the layer's
+`relpos_bias` of a t5lite model with `relpos_per_layer=True`.
 """
 
 from __future__ import annotations
@@ -201,15 +203,13 @@ def to_t5lite(checkpoint: T5xCheckpoint, layers_axis: int = 1) -> dict[str, lazy
     t5lite parameter path (as in an unscanned t5lite model) -> LazyArray.
 
   Raises:
-    ValueError: a per-layer relative-position table (t5lite keeps one per
-      stack), or an attention kernel whose heads cannot be found.
+    ValueError: an attention kernel whose heads cannot be found.
   """
   params = {name[len("target/"):]: array for name, array in checkpoint.arrays.items()}
   params = _unstack_layers(params, layers_axis)
-  if any("relative_posemb" in name for name in params):
-    raise ValueError(f"{checkpoint.path} has a relative-position table in every layer "
-                     "(scalable_t5 'relative_posemb'); t5lite models share one table per "
-                     "stack, so this checkpoint cannot be imported.")
+  # scalable_t5 keeps a table in every layer (t5lite: relpos_per_layer=True).
+  params = {name.replace("/relative_posemb/", "/relpos_bias/"): array
+            for name, array in params.items()}
   if "decoder/token_embedder/embedding" in params:
     params["token_embedder/embedding"] = params.pop("decoder/token_embedder/embedding")
   heads = _heads_by_stack(params)
@@ -267,7 +267,9 @@ def model_fields(checkpoint: T5xCheckpoint) -> tuple[str, dict[str, Any], tuple[
   params = to_t5lite(checkpoint)
   config = _operative_config(checkpoint.path)
   emb = params["token_embedder/embedding"].shape
-  relpos = params["decoder/relpos_bias/rel_embedding"].shape
+  per_layer = "decoder/relpos_bias/rel_embedding" not in params
+  relpos = params["decoder/layers_0/relpos_bias/rel_embedding" if per_layer
+                  else "decoder/relpos_bias/rel_embedding"].shape
   depth = {stack: len({m.group(1) for name in params
                        if (m := re.match(rf"{stack}/layers_(\d+)/", name))})
            for stack in ("encoder", "decoder")}
@@ -285,5 +287,7 @@ def model_fields(checkpoint: T5xCheckpoint) -> tuple[str, dict[str, Any], tuple[
       "relative_attention_num_buckets": relpos[1],
       "relative_attention_max_distance": 128,
   }
+  if per_layer:
+    fields["relpos_per_layer"] = True
   network = gin_file.ENCODER_DECODER if depth["encoder"] else gin_file.DECODER_ONLY
   return network, fields, _vocabulary(config)

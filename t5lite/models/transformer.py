@@ -17,6 +17,12 @@ leading LAYERS axis when `scan_layers=True`):
   decoder/decoder_norm/scale
   decoder/logits_dense/kernel                    [embed, vocab], if untied
 
+With `relpos_per_layer=True` (T5X scalable_t5) no stack has a `relpos_bias`;
+every layer has its own, `{encoder,decoder}/layers_{i}/relpos_bias/
+rel_embedding` [heads, relpos_buckets] (scanned: `layers/relpos_bias/...`
+[layers, heads, relpos_buckets], or `layers/layers_{j}/relpos_bias/...` in a
+scanned MoE stack).
+
 Mixture-of-Experts (`num_experts > 0`): in every `moe_layer_interval`-th
 layer, counting from 1 (layers_{N-1}, layers_{2N-1}, ... of each stack, as in
 ST-MoE), `mlp` is replaced by `moe` (see `moe.MoeLayer`):
@@ -105,6 +111,10 @@ class TransformerConfig:
       'silu', 'linear' (identity). A list (from gin) is stored as a tuple.
     relative_attention_num_buckets: relative-position buckets.
     relative_attention_max_distance: distance sharing the last bucket.
+    relpos_per_layer: give every self-attention layer its own
+      relative-position table (`layers_{i}/relpos_bias`), as T5X's
+      scalable_t5 does, instead of one table per stack shared by all its
+      layers (`relpos_bias`, T5 and Hugging Face).
     float32_attention_logits: compute attention softmax in float32.
     scan_layers: stack layers with `nn.scan` (one compiled layer body,
       params gain a leading LAYERS axis).
@@ -159,6 +169,7 @@ class TransformerConfig:
   mlp_activations: tuple[str, ...] = ("gelu", "linear")
   relative_attention_num_buckets: int = 32
   relative_attention_max_distance: int = 128
+  relpos_per_layer: bool = False
   float32_attention_logits: bool = True
   scan_layers: bool = False
   num_experts: int = 0
@@ -269,6 +280,40 @@ def _moe(cfg: TransformerConfig) -> moe.MoeLayer:
       renormalize_router_weights=cfg.renormalize_router_weights, name="moe")
 
 
+def _relpos_bias(cfg: TransformerConfig, in_layer: bool, q_length: int, bidirectional: bool,
+                 cache: layers.DecodeCache | None = None) -> Array | None:
+  """The self-attention relative-position bias, if the caller owns the table.
+
+  The one place that decides where the table lives: in the stack, one shared
+  by all its layers (T5, Hugging Face), or with `cfg.relpos_per_layer` in
+  every layer (T5X scalable_t5). Stacks and layers both ask; whichever owns
+  it creates the `relpos_bias` child, so it must be called inside a compact
+  method. Cross-attention never has a bias.
+
+  Args:
+    cfg: model config.
+    in_layer: whether the caller is a layer (True) or a stack (False).
+    q_length: query positions of this call (1 in a cached step).
+    bidirectional: encoder buckets (True) or causal decoder ones (False).
+    cache: None, a prefill or a step (see `layers.DecodeCache`); a step gets
+      only the rows of its positions, over the whole cache.
+
+  Returns:
+    None if the caller does not own the table; else the bias `[1, heads,
+    q_length, q_length]`, in a cached step `[batch, heads, q_length,
+    cache.length]`.
+  """
+  if cfg.relpos_per_layer != in_layer:
+    return None
+  relpos = layers.RelativePositionBiases(
+      num_buckets=cfg.relative_attention_num_buckets,
+      max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
+      dtype=cfg.compute_dtype, name="relpos_bias")
+  if cache is not None and cache.is_step:
+    return relpos(q_length, cache.length, bidirectional=bidirectional, q_offset=cache.position)
+  return relpos(q_length, q_length, bidirectional=bidirectional)
+
+
 def _mlp_residual(cfg: TransformerConfig, x: Array, deterministic: bool,
                   use_moe: bool = False) -> Array:
   """Pre-norm MLP (dense or MoE) with a residual connection."""
@@ -297,20 +342,23 @@ class EncoderLayer(nn.Module):
   use_moe: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None, bias: Array,
+  def __call__(self, x: Array, mask: Array | None, bias: Array | None,
                deterministic: bool) -> Array | tuple[Array, None]:
     """Applies the layer.
 
     Args:
       x: `[batch, length, embed]`.
       mask: boolean `[batch, 1, length, length]`.
-      bias: relative-position bias `[1, heads, length, length]`.
+      bias: the stack's relative-position bias `[1, heads, length, length]`,
+        or None when the layer has its own (`relpos_per_layer`).
       deterministic: disables dropout.
 
     Returns:
       `[batch, length, embed]` (paired with None when scanned).
     """
     cfg = self.config
+    own = _relpos_bias(cfg, True, x.shape[1], bidirectional=True)
+    bias = bias if own is None else own
     y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_attention_layer_norm")(x)
     y = _attention(cfg, "attention")(y, y, mask, bias, deterministic)
     x = x + _dropout(cfg, y, deterministic)
@@ -333,7 +381,7 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, encoded: Array | None, self_mask: Array,
-               cross_mask: Array | None, bias: Array, deterministic: bool,
+               cross_mask: Array | None, bias: Array | None, deterministic: bool,
                cache: layers.DecodeCache | None = None) -> Array | tuple[Array, None]:
     """Applies the layer.
 
@@ -347,8 +395,9 @@ class DecoderLayer(nn.Module):
         `[batch, 1, 1, cache_length]`.
       cross_mask: boolean `[batch, 1, length, encoder_length]` or None. In a
         cached step, given iff the network has cross-attention.
-      bias: relative-position bias `[1, heads, length, length]`; in a cached
-        step `[batch, heads, 1, cache_length]`.
+      bias: the stack's relative-position bias `[1, heads, length, length]`;
+        in a cached step `[batch, heads, 1, cache_length]`. None when the
+        layer has its own (`relpos_per_layer`).
       deterministic: disables dropout.
       cache: None, a prefill or a step (see `layers.DecodeCache`).
 
@@ -356,6 +405,8 @@ class DecoderLayer(nn.Module):
       `[batch, length, embed]` (paired with None when scanned).
     """
     cfg = self.config
+    own = _relpos_bias(cfg, True, x.shape[1], bidirectional=False, cache=cache)
+    bias = bias if own is None else own
     y = layers.RMSNorm(dtype=cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
     y = _attention(cfg, "self_attention")(y, y, self_mask, bias, deterministic, cache)
     x = x + _dropout(cfg, y, deterministic)
@@ -492,11 +543,8 @@ class Encoder(nn.Module):
     length = encoder_input_tokens.shape[-1]
     x = self.shared_embedding(encoder_input_tokens).astype(cfg.compute_dtype)
     x = _dropout(cfg, x, deterministic)
-    # One bias table for all layers, computed once, as in T5.
-    bias = layers.RelativePositionBiases(
-        num_buckets=cfg.relative_attention_num_buckets,
-        max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        dtype=cfg.compute_dtype, name="relpos_bias")(length, length, bidirectional=True)
+    # One bias for all layers, computed once, as in T5; None if per layer.
+    bias = _relpos_bias(cfg, False, length, bidirectional=True)
     x = _layer_stack(EncoderLayer, cfg, cfg.num_encoder_layers, x, encoder_mask, bias,
                      deterministic)
     x = layers.RMSNorm(dtype=cfg.compute_dtype, name="encoder_norm")(x)
@@ -537,15 +585,7 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     x = self.shared_embedding(decoder_input_tokens).astype(cfg.compute_dtype)
     x = _dropout(cfg, x, deterministic)
-    relpos = layers.RelativePositionBiases(
-        num_buckets=cfg.relative_attention_num_buckets,
-        max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        dtype=cfg.compute_dtype, name="relpos_bias")
-    if cache is not None and cache.is_step:
-      # Only the rows of this step: [batch, heads, length, cache.length].
-      bias = relpos(length, cache.length, bidirectional=False, q_offset=cache.position)
-    else:
-      bias = relpos(length, length, bidirectional=False)
+    bias = _relpos_bias(cfg, False, length, bidirectional=False, cache=cache)
     x = _layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, x, encoded, self_mask,
                      cross_mask, bias, deterministic, cache)
     x = layers.RMSNorm(dtype=cfg.compute_dtype, name="decoder_norm")(x)
