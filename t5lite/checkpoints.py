@@ -178,7 +178,9 @@ def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only
   options = ocp.CheckpointManagerOptions(
       max_to_keep=save.keep if save else None,
       keep_period=save.keep_every_n_steps if save else None,
-      create=not read_only, read_only=read_only, enable_async_checkpointing=not read_only)
+      # The directory appears with the first save: a run that stops before it
+      # (a bad restore path, say) leaves no empty checkpoints/ behind.
+      create=False, read_only=read_only, enable_async_checkpointing=not read_only)
   return ocp.CheckpointManager(directory, options=options, item_names=(_ITEM, _DATASET))
 
 

@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 import sys
+import tokenize
 from collections.abc import Callable, Sequence
 
 from absl import app, flags
@@ -123,6 +124,7 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   for path in search_paths:
     gin.add_config_file_search_path(path)
   resolved = [_resolve_file(f, search_paths) for f in files]
+  _check_syntax(resolved, bindings)
   # Gin logs an error for every search path an include is not under before it
   # finds the right one; those misses are expected, real failures raise.
   import logging
@@ -132,6 +134,11 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   try:
     gin.parse_config_files_and_bindings(
         resolved, [*BINDINGS_HEADER, *bindings] if bindings else [], finalize_config=True)
+  except (SyntaxError, tokenize.TokenError) as error:
+    # Only an included file can get here: the files and bindings given were
+    # checked above.
+    raise ValueError(_syntax_message(error, getattr(error, "filename", None)
+                                     or "a gin file included by another")) from None
   except (ValueError, AttributeError, NameError) as error:
     hint = _gin_name_hint(str(error))
     if hint is not None:
@@ -145,6 +152,74 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
     root.setLevel(level)
 
 
+def _check_syntax(files: Sequence[str], bindings: Sequence[str]) -> None:
+  """Gin syntax of each file and binding, checked alone so the error names it.
+
+  Gin parses the bindings as one text after a generated header of imports,
+  so its own line numbers point into that header, not at what the user wrote.
+
+  Raises:
+    ValueError: the first file or binding that is not valid gin.
+  """
+  for path in files:
+    with open(path) as f:
+      error = _syntax_error(f.read())
+    if error is not None:
+      raise ValueError(_syntax_message(error, path))
+  for binding in bindings:
+    error = _syntax_error(binding)
+    if error is not None:
+      raise ValueError(f"{_as_written(binding)} is not valid gin: {_syntax_text(error)}"
+                       f"{_value_hint(error)}")
+
+
+def _syntax_error(text: str) -> SyntaxError | tokenize.TokenError | None:
+  """What gin's parser says of `text`, without resolving any name in it."""
+  from gin import config_parser
+
+  class NamesUnresolved(config_parser.ParserDelegate):
+    def configurable_reference(self, scoped_configurable_name, evaluate):
+      return None
+
+    def macro(self, macro_name):
+      return None
+
+  try:
+    for _ in config_parser.ConfigParser(text, NamesUnresolved()):
+      pass
+  except (SyntaxError, tokenize.TokenError) as error:
+    return error
+  return None
+
+
+def _syntax_text(error: SyntaxError | tokenize.TokenError) -> str:
+  text = error.msg if isinstance(error, SyntaxError) else f"{error.args[0]} (unclosed bracket?)"
+  return " ".join(str(text).split("Failed to parse")[0].split()).rstrip(".") + "."
+
+
+def _syntax_message(error: SyntaxError | tokenize.TokenError, path: str) -> str:
+  line = error.lineno if isinstance(error, SyntaxError) else error.args[1][0]
+  return f"Gin syntax error at line {line} of {path}: {_syntax_text(error)}"
+
+
+def _value_hint(error: SyntaxError | tokenize.TokenError) -> str:
+  text = str(getattr(error, "msg", ""))
+  if "Unable to parse value" in text or "malformed node" in text:
+    return (" Values are Python literals: quote strings, e.g. "
+            "--gin.MODEL_DIR=\"'runs/x'\", or reference a configurable with @name().")
+  return ""
+
+
+def _as_written(binding: str) -> str:
+  """A binding as it appeared on the command line (`--gin.X=Y` is rewritten
+  to `X = Y` before gin sees it)."""
+  for arg in sys.argv:
+    match = _GIN_FLAG.match(arg)
+    if match and f"{match.group(1)} = {match.group(2)}" == binding:
+      return arg
+  return f"--gin_bindings={binding!r}"
+
+
 # The first line of gin 0.5.0's messages for a name it cannot find.
 _UNKNOWN_PARAMETER = re.compile(
     r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'\.")
@@ -154,6 +229,8 @@ _NO_CONFIGURABLE = re.compile(r"No configurable matching '([\w.]+)'\.")
 _NOT_IMPORTED = re.compile(r"'(\w+)' was not provided by an import statement\.")
 _FILE_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
 _UNSET_MACRO = re.compile(r"No bindings specified for '(\w+)/gin\.macro'")
+_UNSET_REQUIRED = re.compile(r"([\w/.]+?)(/macro\.value)? set to `%gin\.REQUIRED` but not "
+                             r"subsequently overridden\.")
 
 
 def _is_gin_selector_error(message: str) -> bool:
@@ -185,11 +262,19 @@ def _gin_name_hint(message: str) -> str | None:
       return (f"Macro {match.group(1)} is used but never set; pass --gin.{match.group(1)}=... "
               "or include a gin file that sets it first (e.g. the training headline before "
               "gin/runs/eval.gin).")
+    elif match := _UNSET_REQUIRED.fullmatch(first):
+      return _unset_required_hint(match.group(1), is_macro=bool(match.group(2)))
     else:
       return None
   except Exception:  # noqa: BLE001 - a hint must never hide the real error
     return None
   return f"{hint}{_location(message)}"
+
+
+def _unset_required_hint(name: str, is_macro: bool) -> str:
+  what = "Macro" if is_macro else "Parameter"
+  return (f"{what} {name} is required (%gin.REQUIRED) but not set; pass --gin.{name}=... "
+          "or set it in a gin file given after the run file.")
 
 
 def _unknown_parameter_hint(selector: str, name: str) -> str:
@@ -294,6 +379,32 @@ def _distributed_config():
       heartbeat_timeout=FLAGS.heartbeat_timeout)
 
 
+# Platforms JAX_PLATFORMS may name: JAX's own and those of the PJRT plugins
+# JAX knows by name (plugins register their backend only when JAX starts).
+_JAX_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu", "METAL", "oneapi", "neuron")
+
+
+def check_jax_platforms(value: str | None) -> None:
+  """JAX_PLATFORMS must name only platforms JAX knows, else JAX fails deep
+  inside its first device query, after start-up work, with a traceback.
+
+  Raises:
+    ValueError: an unknown platform name, with the known ones.
+  """
+  known = set(_JAX_PLATFORMS)
+  try:
+    from jax._src import xla_bridge  # names of backends registered so far
+    known |= {*xla_bridge._backend_factories, *xla_bridge._platform_aliases}  # noqa: SLF001
+  except (ImportError, AttributeError):
+    pass
+  names = [n.strip() for n in (value or "").split(",") if n.strip()]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"JAX_PLATFORMS={value!r} names unknown platform(s) {', '.join(unknown)}; "
+                     f"use a comma-separated list of {', '.join(sorted(known))}, or unset it "
+                     "to let JAX choose.")
+
+
 def one_line(error: BaseException) -> str:
   """A user error as one line: whitespace squeezed, gin's call-site note dropped."""
   text = " ".join(str(error).split()).split(" In call to configurable ")[0]
@@ -308,6 +419,7 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     if FLAGS.dry_run and entry is not _train_entry:
       raise ValueError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
                        "the flag, or check the training config with t5lite-train --dry_run.")
+    check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
     distributed.validate(_distributed_config())
     _hide_gpus_from_tensorflow()
     distributed.initialize(_distributed_config())

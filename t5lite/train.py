@@ -108,9 +108,11 @@ def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_per
     ValueError: a negative period, or periods that are not multiples of each
       other (the message names both and suggests a fix).
   """
+  _check_step_count("total_steps (TRAIN_STEPS)", total_steps)
   named = {"eval_period": eval_period or 0, "checkpoint_period": checkpoint_period or 0,
            "gc_period": gc_period or 0}
   for name, value in list(named.items()) + [("stats_period", stats_period or 0)]:
+    _check_step_count(name, value)
     if value < 0:
       raise ValueError(f"{name}={value} must be positive (or 0 to disable).")
   active = sorted((v, k) for k, v in named.items() if v > 0)
@@ -123,6 +125,14 @@ def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_per
   return Periods(epoch=epoch, checkpoint=named["checkpoint_period"], eval=named["eval_period"],
                  gc=named["gc_period"], stats=stats_period or epoch,
                  checkpoint_steps=tuple(sorted(int(s) for s in checkpoint_steps)))
+
+
+def _check_step_count(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a whole number of steps, got {value!r} "
+                    f"({type(value).__name__}); e.g. --gin.TRAIN_STEPS=1000.")
+  if name.startswith("total_steps") and value < 0:
+    raise ValueError(f"{name}={value} must be 0 or more.")
 
 
 def _check_vocabulary(model: Any, cfg: DatasetConfig) -> None:
@@ -916,14 +926,14 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
                                  seed=seed, data=data)
   end = start + relative_steps if relative_steps is not None else total_steps
+  if start >= end:  # a rerun of a finished job leaves its config.gin as it was
+    metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
+    checkpointer.close()
+    return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.
   _prepare_model_dir(model_dir, summarize_config_fn)
   if jax.process_index() == 0:
     write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
-  if start >= end:
-    metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
-    checkpointer.close()
-    return start, state
 
   loop = _build_loop(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
                      data=data, eval_cfg=eval_cfg, infer_cfg=infer_cfg, actions=actions,
