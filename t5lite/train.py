@@ -10,6 +10,7 @@ for the device except at stats periods.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -30,6 +31,7 @@ from t5lite import checkpoints as ckpt_lib
 from t5lite import inference
 from t5lite import interop
 from t5lite import metrics as metrics_lib
+from t5lite import run_lock
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
@@ -909,6 +911,20 @@ def _close(loop: _Loop) -> None:
       evaluator.close()
 
 
+def _holding_model_dir_lock(run: Callable[..., Any]) -> Callable[..., Any]:
+  """`run(model_dir=..., ...)` holding MODEL_DIR's lock (see `t5lite.run_lock`):
+  one trainer per model_dir, taken once per job, on process 0, after
+  validation and before anything is written; released when `run` returns
+  or raises."""
+  @functools.wraps(run)
+  def locked(**kwargs: Any) -> Any:
+    with run_lock.hold(kwargs["model_dir"], enabled=jax.process_index() == 0,
+                       log=metrics_lib.log_line):
+      return run(**kwargs)
+  return locked
+
+
+@_holding_model_dir_lock
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
          checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
