@@ -193,8 +193,11 @@ def _syntax_error(text: str) -> SyntaxError | tokenize.TokenError | None:
 
 
 def _syntax_text(error: SyntaxError | tokenize.TokenError) -> str:
-  text = error.msg if isinstance(error, SyntaxError) else f"{error.args[0]} (unclosed bracket?)"
-  return " ".join(str(text).split("Failed to parse")[0].split()).rstrip(".") + "."
+  if isinstance(error, tokenize.TokenError):
+    return f"{error.args[0]} (unclosed bracket?)."
+  if str(error.msg).startswith("malformed node"):  # ast.literal_eval's words for a bare name
+    return "Unable to parse value."
+  return " ".join(str(error.msg).split()).rstrip(".") + "."
 
 
 def _syntax_message(error: SyntaxError | tokenize.TokenError, path: str) -> str:
@@ -401,8 +404,8 @@ def check_jax_platforms(value: str | None) -> None:
   unknown = [n for n in names if n not in known]
   if unknown:
     raise ValueError(f"JAX_PLATFORMS={value!r} names unknown platform(s) {', '.join(unknown)}; "
-                     f"use a comma-separated list of {', '.join(sorted(known))}, or unset it "
-                     "to let JAX choose.")
+                     f"use a comma-separated list of {', '.join(sorted(known, key=str.lower))}, "
+                     "or unset it to let JAX choose.")
 
 
 def one_line(error: BaseException) -> str:

@@ -31,6 +31,10 @@ def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path):
   base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2"]
   assert run_cli(base, cwd=str(tmp_path)).returncode == 0
   before = _snapshot(model_dir)
+  rerun = run_cli(base, cwd=str(tmp_path))  # already at the target step: a no-op
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert "Already at step 2 (target 2); nothing to train." in rerun.stdout
+  assert _snapshot(model_dir) == before  # config.gin not rewritten
   out = run_cli([*base, "--gin.TRAIN_STEPS=4", "--gin.transformer.TransformerConfig.mlp_dim=32"],
                 cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-3000:]
@@ -51,7 +55,9 @@ def test_model_dir_that_cannot_be_created(tmp_path):
 def test_missing_required_macro(tmp_path):
   out = run_cli(TINY, cwd=str(tmp_path))
   assert out.returncode == 2
-  assert "MODEL_DIR" in _last_line(out) and "gin.REQUIRED" in _last_line(out)
+  assert _last_line(out).startswith("t5lite: ValueError: Macro MODEL_DIR is required "
+                                    "(%gin.REQUIRED) but not set; pass --gin.MODEL_DIR=..."), \
+      _last_line(out)
 
 
 def test_restore_path_that_does_not_exist(tmp_path):
@@ -61,6 +67,7 @@ def test_restore_path_that_does_not_exist(tmp_path):
                 cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-2000:]
   assert "No checkpoint found under restore path" in _last_line(out)
+  assert not (tmp_path / "r").exists()  # not even an empty checkpoints/ directory
 
 
 def test_feature_lengths_missing_a_feature(tmp_path):

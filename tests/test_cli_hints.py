@@ -1,9 +1,12 @@
 """An unknown gin name fails in one line that names the closest valid name."""
 
+import os
+import subprocess
+
 import pytest
 
 from t5lite import cli
-from test_cli import TINY, run_cli
+from test_cli import BIN, JAX_CACHE, TINY, run_cli
 
 HEADER = ("from __gin__ import dynamic_registration\n"
           "from t5lite import checkpoints\n"
@@ -79,5 +82,78 @@ def test_cli_typo_exits_2_with_suggestion_and_writes_nothing(tmp_path):
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith("t5lite: ValueError: Unknown parameter 'perod'"), last
   assert "did you mean 'period'?" in last
+  assert "Traceback" not in out.stderr
+  assert not model_dir.exists()
+
+
+# ---------------------------------------------------------------------------
+# Syntax errors, unset macros and the JAX platform: one line naming the source
+
+
+def test_syntax_error_in_file_names_the_file_and_line(tmp_path, clean_gin):
+  with pytest.raises(ValueError, match=r"^Gin syntax error at line 5 of .*typo\.gin: "
+                     r"Expected ',' or '\)'\.$"):
+    _parse_file(tmp_path, "checkpoints.SaveCheckpointConfig.period = (5\nMODEL_DIR = 3\n")
+
+
+def test_unclosed_bracket_in_file_names_the_file(tmp_path, clean_gin):
+  with pytest.raises(ValueError, match=r"^Gin syntax error at line \d+ of .*typo\.gin: "
+                     r"EOF in multi-line statement \(unclosed bracket\?\)\.$"):
+    _parse_file(tmp_path, "checkpoints.SaveCheckpointConfig.period = [5,\n")
+
+
+def test_syntax_error_in_shorthand_binding_names_it_as_written(clean_gin, monkeypatch):
+  # Gin would put this at "line 13", a line of the generated import header.
+  monkeypatch.setattr("sys.argv", ["t5lite-train", "--gin.TRAIN_STEPS=(5"])
+  with pytest.raises(ValueError, match=r"^--gin\.TRAIN_STEPS=\(5 is not valid gin: "
+                     r"EOF in multi-line statement \(unclosed bracket\?\)\.$"):
+    _parse_bindings("TRAIN_STEPS = (5")
+
+
+def test_syntax_error_in_gin_bindings_flag(clean_gin):
+  with pytest.raises(ValueError, match=r"^--gin_bindings='checkpoints\.SaveCheckpointConfig\."
+                     r"period = 5 6' is not valid gin: Expected newline\.$"):
+    _parse_bindings("checkpoints.SaveCheckpointConfig.period = 5 6")
+
+
+def test_unquoted_string_says_to_quote_it(clean_gin):
+  with pytest.raises(ValueError, match=r"MODEL_DIR = runs/x' is not valid gin: Unable to parse "
+                     r"value\. Values are Python literals: quote strings"):
+    _parse_bindings("MODEL_DIR = runs/x")
+
+
+def test_unset_required_macro_names_the_flag(clean_gin):
+  with pytest.raises(ValueError, match=r"^Macro MODEL_DIR is required \(%gin\.REQUIRED\) but not "
+                     r"set; pass --gin\.MODEL_DIR=\.\.\. or set it in a gin file"):
+    cli.parse_gin(["gin/pretrain_dense.gin"], [], cli.gin_search_paths([]))
+
+
+@pytest.mark.parametrize("value", ["cpux", "gpu,tpux", "CPU"])
+def test_unknown_jax_platform_is_named(value):
+  with pytest.raises(ValueError, match=rf"^JAX_PLATFORMS='{value}' names unknown platform\(s\) "
+                     r"\w+; use a comma-separated list of cpu, cuda, gpu, "):
+    cli.check_jax_platforms(value)
+
+
+@pytest.mark.parametrize("value", [None, "", "cpu", "cuda,cpu", "tpu"])
+def test_known_jax_platforms_pass(value):
+  cli.check_jax_platforms(value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, env, message", [
+    (["--gin.TRAIN_STEPS=(5"], {}, "t5lite: ValueError: --gin.TRAIN_STEPS=(5 is not valid gin"),
+    (["--gin.TRAIN_STEPS='abc'"], {}, "t5lite: TypeError: total_steps (TRAIN_STEPS) must be a "
+     "whole number of steps, got 'abc' (str)"),
+    ([], {"JAX_PLATFORMS": "cpux"}, "t5lite: ValueError: JAX_PLATFORMS='cpux' names unknown"),
+])
+def test_cli_input_errors_exit_2_in_one_line_and_write_nothing(tmp_path, args, env, message):
+  model_dir = tmp_path / "run"
+  out = subprocess.run(
+      [os.path.join(BIN, "t5lite-train"), *TINY, f"--gin.MODEL_DIR='{model_dir}'", *args],
+      cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE) | env)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
   assert "Traceback" not in out.stderr
   assert not model_dir.exists()

@@ -40,3 +40,16 @@ def test_disabled_periods_are_ignored():
 def test_bad_periods_fail_with_a_fix(kw, message):
   with pytest.raises(ValueError, match=message):
     _periods(**kw)
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(total_steps="abc"), TypeError,
+     r"^total_steps \(TRAIN_STEPS\) must be a whole number of steps, got 'abc' \(str\); "
+     r"e\.g\. --gin\.TRAIN_STEPS=1000\.$"),
+    (dict(total_steps=2.5), TypeError, r"got 2\.5 \(float\)"),
+    (dict(total_steps=-3), ValueError, r"^total_steps \(TRAIN_STEPS\)=-3 must be 0 or more\.$"),
+    (dict(eval_period="10"), TypeError, r"^eval_period must be a whole number of steps, got '10'"),
+])
+def test_step_counts_of_the_wrong_type_or_sign_fail(kw, error, message):
+  with pytest.raises(error, match=message):
+    _periods(**kw)
