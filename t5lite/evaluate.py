@@ -183,21 +183,48 @@ def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner
 
 
 def _input_texts(path: str) -> list[str]:
-  """Inputs from a text file (one per line) or JSONL (an "inputs" field per line)."""
+  """Inputs from a text file (one per line) or JSONL (an "inputs" field per line).
+
+  Every line is an input, an empty one included (as the empty string), so
+  the predictions line up with the file line for line.
+
+  Raises:
+    ValueError: a missing file, a line that is not UTF-8, or a JSONL line
+      that is not an object with a string "inputs" (named by line number).
+  """
   if not os.path.isfile(path):
     raise ValueError(f"Input file '{path}' does not exist.")
-  with open(path) as f:
-    lines = [line.rstrip("\n") for line in f if line.strip()]
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  if lines[-1] == b"":
+    lines.pop()  # the newline that ends the last line starts no new one
+  texts = [_decode_line(path, number, line) for number, line in enumerate(lines, 1)]
+  if texts:
+    texts[0] = texts[0].removeprefix("\ufeff")  # a UTF-8 byte order mark
   if not path.endswith(".jsonl"):
-    return lines
-  texts = []
-  for number, line in enumerate(lines, 1):
-    try:
-      texts.append(json.loads(line)["inputs"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-      raise ValueError(f"{path}:{number} is not a JSON object with an \"inputs\" field "
-                       f"({error}).") from None
-  return texts
+    return texts
+  return [_jsonl_inputs(path, number, line) for number, line in enumerate(texts, 1)]
+
+
+def _decode_line(path: str, number: int, line: bytes) -> str:
+  try:
+    return line.decode("utf-8").removesuffix("\r")
+  except UnicodeDecodeError as error:
+    raise ValueError(f"{path}:{number} is not valid UTF-8 (byte {error.start + 1} of the line is "
+                     f"{line[error.start:error.start + 1]!r}); save the file as UTF-8.") from None
+
+
+def _jsonl_inputs(path: str, number: int, line: str) -> str:
+  if not line.strip():
+    return ""
+  try:
+    inputs = json.loads(line)["inputs"]
+  except (json.JSONDecodeError, KeyError, TypeError) as error:
+    raise ValueError(f"{path}:{number} is not a JSON object with an \"inputs\" field "
+                     f"({error}).") from None
+  if not isinstance(inputs, str):
+    raise ValueError(f"{path}:{number}: \"inputs\" must be a string, got {inputs!r}.")
+  return inputs
 
 
 def _task_examples(name: str, split: str, lengths: Mapping[str, int], module: str | None,
@@ -253,14 +280,16 @@ def infer(*, model: Any, partitioner: Partitioner,
       'latest' in a directory).
     output_dir: gets `<task>-<step>.jsonl` (inputs, targets, prediction,
       score per line) or, for an input file, `<file name>-<step>.jsonl`.
-    task_feature_lengths: inputs and targets lengths; longer inputs are cut.
+    task_feature_lengths: inputs and targets lengths; longer inputs are cut
+      (EOS kept, as in training), with one log line counting them.
       An encoder-decoder decodes at most the targets length, a decoder-only
       model inputs + targets (unless the model's max_decode_length says).
     batch_size: global decode batch.
     mixture_or_task_name: predict every example of this task's `split`.
     split: the task split.
-    input_file: instead of a task: a text file with one input per line, or
-      JSONL with an "inputs" field per line.
+    input_file: instead of a task: a UTF-8 text file with one input per
+      line, or JSONL with an "inputs" field per line; every line, an empty
+      one included, gets one output line, in order.
     module: module to import first (registers user tasks).
     num_examples: at most this many examples per task.
 
@@ -279,7 +308,8 @@ def infer(*, model: Any, partitioner: Partitioner,
   partitioner.get_data_layout(batch_size)
   if input_file is not None:
     sources = [(os.path.splitext(os.path.basename(input_file))[0],
-                inference.examples_from_texts(_input_texts(input_file), model.input_vocabulary))]
+                inference.examples_from_texts(_input_texts(input_file), model.input_vocabulary,
+                                              task_feature_lengths.get("inputs")))]
   else:
     sources = _task_examples(mixture_or_task_name, split, task_feature_lengths, module,
                              num_examples)

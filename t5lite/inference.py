@@ -224,15 +224,32 @@ class InferenceEvaluator:
       writer.close()
 
 
-def examples_from_texts(texts: Sequence[str], vocabulary: seqio.Vocabulary
-                        ) -> tf.data.Dataset:
+def examples_from_texts(texts: Sequence[str], vocabulary: seqio.Vocabulary,
+                        inputs_length: int | None = None) -> tf.data.Dataset:
   """Unbatched {"inputs", "targets"} token examples for raw input strings.
 
-  The targets are empty (EOS only), so the feature converter sees the same
-  structure as a task's examples.
+  One example per text, in order, an empty text included (its inputs are
+  EOS alone). The targets are empty (EOS only), so the feature converter
+  sees the same structure as a task's examples.
+
+  Args:
+    texts: the inputs.
+    vocabulary: encodes them.
+    inputs_length: inputs longer than this many tokens (EOS included) are
+      cut to it with EOS kept last, as `seqio.preprocessors.
+      append_eos_after_trim` cuts the training tasks' inputs; one log line
+      says how many were cut. None cuts nothing.
   """
   eos = vocabulary.eos_id
-  inputs = [list(vocabulary.encode(t)) + [eos] for t in texts]
+  inputs = [list(vocabulary.encode(t)) for t in texts]
+  if inputs_length is not None:
+    cut = sum(len(x) + 1 > inputs_length for x in inputs)
+    if cut:
+      metrics_lib.log_line(
+          f"Truncated {cut} of {len(inputs)} inputs to the inputs length of {inputs_length} "
+          "tokens, as in training; raise TASK_FEATURE_LENGTHS['inputs'] to keep them whole.")
+    inputs = [x[:inputs_length - 1] for x in inputs]
+  inputs = [x + [eos] for x in inputs]
   return tf.data.Dataset.from_generator(
       lambda: ({"inputs": np.asarray(x, np.int32), "targets": np.asarray([eos], np.int32)}
                for x in inputs),

@@ -183,16 +183,27 @@ def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path):
   result = run_cli([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'",
                     "--gin.INFER_EVAL_DATASET_CFG=None"], cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
-  (tmp_path / "questions.txt").write_text("add: 1 + 2\n\nsub: 10 - 3\nadd: 7 + 7\n")
+  # An empty line and one longer than the inputs length (32 tokens) are kept.
+  long = "add: " + "1 + " * 20 + "1"
+  (tmp_path / "questions.txt").write_text(f"add: 1 + 2\n\nsub: 10 - 3\n{long}\nadd: 7 + 7\n")
   common = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/infer.gin",
             "--gin_file=gin/testing/local_tiny.gin", f"--gin.CHECKPOINT_PATH='{model_dir}'",
             f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'"]
   result = run_cli([*common, f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
                    cwd=str(tmp_path), script="t5lite-infer")
   assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.count("Truncated 1 of 5 inputs to the inputs length of 32 tokens") == 1
   rows = [json.loads(line) for line in (tmp_path / "out" / "questions-4.jsonl").open()]
-  assert [r["inputs"] for r in rows] == ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
+  assert [r["inputs"] for r in rows] == ["add: 1 + 2", "", "sub: 10 - 3", long[:31], "add: 7 + 7"]
   assert all(isinstance(r["prediction"], str) and r["score"] <= 0 for r in rows)
+
+  # Invalid UTF-8: named with file and line, exit 2, nothing written.
+  (tmp_path / "latin1.txt").write_bytes("add: 1 + 2\nadd: caf\u00e9\n".encode("latin-1"))
+  result = run_cli([*common, f"--gin.INPUT_FILE='{tmp_path / 'latin1.txt'}'"],
+                   cwd=str(tmp_path), script="t5lite-infer")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert f"{tmp_path / 'latin1.txt'}:2 is not valid UTF-8" in result.stderr.strip().splitlines()[-1]
+  assert os.listdir(tmp_path / "out") == ["questions-4.jsonl"]
 
   result = run_cli([*common, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
                     "--gin.NUM_EXAMPLES=5"], cwd=str(tmp_path), script="t5lite-infer")
@@ -255,3 +266,44 @@ def test_two_processes_stop_together_and_evaluate_like_one(tmp_path):
   assert _read(two / "inference_eval" / name) == _read(trained / name)
   losses = [scalars(str(d / "training_eval" / "t5lite_arithmetic"), "loss")[6] for d in (one, two)]
   assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# t5lite-infer's input file: every line kept, long ones cut as in training
+
+
+def test_input_file_keeps_every_line_in_order(tmp_path):
+  from t5lite import evaluate
+  path = tmp_path / "in.txt"
+  path.write_bytes("\ufeffa\r\n\n  \nb\nlast".encode())
+  assert evaluate._input_texts(str(path)) == ["a", "", "  ", "b", "last"]  # noqa: SLF001
+  path = tmp_path / "in.jsonl"
+  path.write_text('{"inputs": "a"}\n\n{"inputs": ""}\n')
+  assert evaluate._input_texts(str(path)) == ["a", "", ""]  # noqa: SLF001
+
+
+def test_invalid_utf8_names_the_file_and_line(tmp_path):
+  from t5lite import evaluate
+  path = tmp_path / "in.txt"
+  path.write_bytes(b"ok\nstill ok\nbad \xff here\n")
+  with pytest.raises(ValueError, match=rf"^{path}:3 is not valid UTF-8 \(byte 5 of the line is "
+                     r"b'\\xff'\); save the file as UTF-8\.$"):
+    evaluate._input_texts(str(path))  # noqa: SLF001
+
+
+def test_long_inputs_are_cut_like_training_and_counted_once(capsys):
+  import seqio
+  from t5lite import inference
+  vocab = seqio.ByteVocabulary()
+  texts = ["x" * 20, "", "short", "y" * 7, "z" * 8]
+  examples = inference.examples_from_texts(texts, vocab, inputs_length=8)
+  out = capsys.readouterr().out
+  assert out.count("Truncated") == 1
+  assert "Truncated 2 of 5 inputs to the inputs length of 8 tokens, as in training" in out
+  inputs = [list(ex["inputs"]) for ex in examples.as_numpy_iterator()]
+  assert [len(x) for x in inputs] == [8, 1, 6, 8, 8]
+  assert all(x[-1] == vocab.eos_id for x in inputs)
+  assert vocab.decode(inputs[0]) == "x" * 7
+  # The inference feature converter takes them all (too long ones used to fail it).
+  converted = seqio.EncDecFeatureConverter(pack=False)(examples, {"inputs": 8, "targets": 4})
+  assert len(list(converted.as_numpy_iterator())) == 5
