@@ -130,10 +130,13 @@ def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_per
 
 
 def _check_step_count(name: str, value: Any) -> None:
+  """A step count must be an int (gin passes `'abc'` or `1e3` on as given)."""
+  is_total = name.startswith("total_steps")
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    example = "; e.g. --gin.TRAIN_STEPS=1000" if is_total else ""
     raise TypeError(f"{name} must be a whole number of steps, got {value!r} "
-                    f"({type(value).__name__}); e.g. --gin.TRAIN_STEPS=1000.")
-  if name.startswith("total_steps") and value < 0:
+                    f"({type(value).__name__}){example}.")
+  if is_total and value < 0:
     raise ValueError(f"{name}={value} must be 0 or more.")
 
 
