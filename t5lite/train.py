@@ -622,7 +622,8 @@ class DivergenceLimits:
       once the run (or the restart) has trained that many plus `SPIKE_STEPS`.
 
   Raises:
-    ValueError: a limit that is not a number above 1, or a window below 1.
+    ValueError: a ratio that is not a number above 0, a factor not above 1,
+      or a window below 1.
   """
 
   max_update_ratio: float | None = 1.0
@@ -812,9 +813,9 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
 
 
 def _any_process_preempted() -> bool:
-  """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint the same
-  step, so a multi-process job agrees at each stats period (one small
-  all-gather) instead of acting on its own signal mid-period."""
+  """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint
+  the same step, so a multi-process job agrees at each stats period (one
+  small all-gather) instead of acting on its own signal mid-period."""
   from jax.experimental import multihost_utils
   # 0: go on, 1: preemption asked, 2: Ctrl-C; one Ctrl-C makes every process exit 130.
   code = int(_PREEMPTION.is_set()) + int(_INTERRUPTED.is_set())
@@ -835,7 +836,7 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
     step += 1
     pending.append(step_metrics)
   if pending:
-    _write_stats(loop, step, pending)  # also refuses to save a non-finite state
+    _write_stats(loop, step, pending)  # also refuses to save a diverged state
   loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   raise (Interrupted if _INTERRUPTED.is_set() else Preempted)(step)
 
@@ -948,12 +949,13 @@ def train(*,
     max_update_ratio: training stops (exit 3) at a step whose update is larger
       than this multiple of the parameters' norm; None disables. A NaN or
       Inf loss, gradient norm or parameter norm always stops it.
-    loss_spike_factor: training stops at a step whose loss exceeds this
-      multiple of the median loss of the previous `loss_spike_window` steps;
-      None disables. Either way nothing of that stats period is saved, so
-      the newest checkpoint predates the divergence (see docs/checkpoints.md).
-    loss_spike_window: steps in that median; the check starts once a run or
-      restart has trained that many steps.
+    loss_spike_factor: training stops at a step where the median loss of the
+      last 10 steps exceeds this multiple of the median loss of the
+      `loss_spike_window` steps before them; None disables. Either way
+      nothing of that stats period is saved, so the newest checkpoint
+      predates the divergence (see docs/checkpoints.md).
+    loss_spike_window: steps in that reference median; the check starts once
+      a run or restart has trained that many steps plus 10.
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
 
