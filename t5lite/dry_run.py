@@ -134,9 +134,13 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
              relative_steps: int | None, stats_period: int | None, random_seed: int | None,
              actions: Mapping[str, Any] | None, run_eval_before_training: bool,
              gc_period: int, peak_flops_per_device: float | None,
-             **unused: Any) -> Report:
+             max_update_ratio: float | None, loss_spike_factor: float | None,
+             loss_spike_window: int, **unused: Any) -> Report:
   """The dry run's findings for `train()`'s arguments (see `run`)."""
   del unused  # loop options (prefetching, config summary) change nothing here
+  train_lib.DivergenceLimits(max_update_ratio=max_update_ratio,
+                             loss_spike_factor=loss_spike_factor,
+                             loss_spike_window=loss_spike_window)  # refused as train() does
   # A seed drawn from the clock changes no shape, so any seed will do.
   trainer, periods = train_lib.checked_setup(
       model=model, trainer_cls=trainer_cls, seed=0 if random_seed is None else random_seed,

@@ -9,6 +9,7 @@ for the device except at stats periods.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -46,33 +47,49 @@ class TrainingStopped(Exception):
   exit_code = 1
 
 
-class NonFiniteLossError(TrainingStopped):
-  """The loss became NaN or Inf; nothing was checkpointed after it."""
+class Diverged(TrainingStopped):
+  """Training diverged (a NaN/Inf, an exploding update or a loss spike); the
+  diverged steps were not checkpointed."""
 
   exit_code = 3
+
+
+NonFiniteLossError = Diverged  # the name before loss spikes were caught too
 
 
 class Preempted(TrainingStopped):
   """A preemption request arrived; the state at `step` was checkpointed."""
 
   exit_code = 143  # 128 + SIGTERM, what schedulers expect from a terminated job
+  _what = "Preempted"
 
   def __init__(self, step: int):
-    super().__init__(f"Preempted at step {step}; checkpoint written. Rerun the same command "
-                     "to continue from it.")
+    super().__init__(f"{self._what} at step {step}; checkpoint written. Rerun the same "
+                     "command to continue from it.")
     self.step = step
 
 
+class Interrupted(Preempted):
+  """Ctrl-C (SIGINT) arrived; the state at `step` was checkpointed."""
+
+  exit_code = 130  # 128 + SIGINT, what shells report for Ctrl-C
+  _what = "Stopped by Ctrl-C"
+
+
 _PREEMPTION = threading.Event()
+_INTERRUPTED = threading.Event()  # the stop was asked with Ctrl-C (SIGINT)
 
 
-def request_preemption() -> None:
+def request_preemption(interrupted: bool = False) -> None:
   """Asks the running loop to checkpoint after the current step and stop.
 
-  SIGTERM calls this; so can a cloud preemption notice watcher. In a
+  SIGTERM calls this, and SIGINT with `interrupted=True` (the run then exits
+  with 130 instead of 143); so can a cloud preemption notice watcher. In a
   multi-process job the processes agree at the next stats period, and all
   of them checkpoint that step, whichever of them was asked.
   """
+  if interrupted:
+    _INTERRUPTED.set()
   _PREEMPTION.set()
 
 
@@ -601,22 +618,133 @@ class _Loop:
   actions: Mapping[actions_lib.ActionMode, list]
   train_task: str
   total_steps: int
+  divergence: DivergenceCheck = dataclasses.field(
+      default_factory=lambda: DivergenceCheck(DivergenceLimits()))
 
 
-def _check_finite(fetched: list[dict[str, float]], step: int) -> None:
-  """Raises before anything is written if some step's loss is NaN or Inf."""
-  first = step - len(fetched) + 1
-  for offset, m in enumerate(fetched):
-    if not math.isfinite(m.get("loss", 0.0)):
-      raise NonFiniteLossError(
-          f"Loss became {m['loss']} at step {first + offset}; stopped without saving it. "
-          "Lower the learning rate or enable gradient clipping, then restart from the last "
-          "checkpoint.")
+@dataclasses.dataclass(frozen=True)
+class DivergenceLimits:
+  """When a training step counts as diverged, besides a NaN or Inf loss,
+  gradient norm or parameter norm (see docs/checkpoints.md for the defaults).
+
+  Attributes:
+    max_update_ratio: largest norm of one update as a multiple of the norm
+      of the parameters it changes; None disables this check.
+    loss_spike_factor: largest median loss of the last `SPIKE_STEPS` steps as
+      a multiple of the median loss of the `loss_spike_window` steps before
+      them; None disables this check.
+    loss_spike_window: steps in that reference median; the spike check starts
+      once the run (or the restart) has trained that many plus `SPIKE_STEPS`.
+
+  Raises:
+    ValueError: a ratio that is not a number above 0, a factor not above 1,
+      or a window below 1.
+  """
+
+  max_update_ratio: float | None = 1.0
+  loss_spike_factor: float | None = 3.0
+  loss_spike_window: int = 100
+
+  def __post_init__(self):
+    for name in ("max_update_ratio", "loss_spike_factor"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not value > (0 if name == "max_update_ratio" else 1)):
+        bound = "above 0" if name == "max_update_ratio" else "above 1"
+        raise ValueError(f"train.{name}={value!r} must be a number {bound}, or None to "
+                         "disable that divergence check.")
+    window = self.loss_spike_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+      raise ValueError(f"train.loss_spike_window={window!r} must be a whole number of steps "
+                       ">= 1.")
+
+
+# A loss spike is judged on the median of this many steps, not on one step:
+# single small batches are noisy, by up to 11x the median at low losses
+# (docs/checkpoints.md), while a diverging run stays high.
+SPIKE_STEPS = 10
+
+
+class DivergenceCheck:
+  """Finds the first diverged step of a stats period, before any of it is saved.
+
+  A step's loss and gradient describe the parameters it started from; its
+  update ratio and parameter norm describe the parameters it produced, the
+  ones a checkpoint would save. Steps the optimizer skipped
+  (`skip_and_clip_by_global_norm`) changed nothing and are not judged.
+  """
+
+  def __init__(self, limits: DivergenceLimits):
+    self.limits = limits
+    # The reference window, then the SPIKE_STEPS - 1 steps before the one judged.
+    self._losses: collections.deque = collections.deque(
+        maxlen=limits.loss_spike_window + SPIKE_STEPS - 1)
+
+  def first_problem(self, fetched: list[dict[str, float]], first_step: int) -> str | None:
+    """What went wrong at the first diverged step of `fetched`, or None.
+
+    Args:
+      fetched: per-step metrics of consecutive steps.
+      first_step: the step number of `fetched[0]`.
+    """
+    for offset, metrics in enumerate(fetched):
+      if metrics.get("optimizer/skipped_steps"):
+        continue
+      problem = self._problem(metrics)
+      if problem:
+        return f"at step {first_step + offset}: {problem}"
+      if "loss" in metrics:
+        self._losses.append(metrics["loss"])
+    return None
+
+  def _problem(self, metrics: dict[str, float]) -> str | None:
+    for name, what in (("loss", "the loss"), ("grad_norm", "the gradient norm"),
+                       ("param_norm", "the parameter norm")):
+      if name in metrics and not math.isfinite(metrics[name]):
+        return f"{what} became {metrics[name]}"
+    ratio, limit = metrics.get("update_ratio"), self.limits.max_update_ratio
+    if ratio is not None and limit is not None and ratio > limit:
+      return (f"the update was {ratio:.3g} times the norm of the parameters (limit "
+              f"max_update_ratio={limit:g})")
+    factor, losses = self.limits.loss_spike_factor, list(self._losses)
+    if factor is not None and "loss" in metrics and len(losses) == self._losses.maxlen:
+      window = self.limits.loss_spike_window
+      before = float(np.median(losses[:window]))
+      recent = float(np.median(losses[window:] + [metrics["loss"]]))
+      if recent > factor * before:
+        return (f"the median loss of the last {SPIKE_STEPS} steps, {recent:.4g}, was "
+                f"{recent / before:.3g} times the median {before:.4g} of the {window} steps "
+                f"before them (limit loss_spike_factor={factor:g})")
+    return None
+
+
+def _diverged_message(loop: _Loop, problem: str) -> str:
+  """The stop line: what diverged where, what is on disk, how to go on."""
+  saved = loop.checkpointer.all_steps()
+  if not saved:
+    return (f"Training diverged {problem}; stopped without saving it (no checkpoint yet). "
+            "Rerun with a lower learning rate (or gradient clipping).")
+  listed = ", ".join(str(s) for s in saved[-5:])
+  return (f"Training diverged {problem}; stopped without saving it, the newest checkpoint "
+          f"is step {saved[-1]}. Rerun with a lower learning rate (or gradient clipping) to "
+          "continue from it, or restart from an earlier saved step (steps "
+          f"{'..., ' if len(saved) > 5 else ''}{listed}) with "
+          "--gin.train_lib.train.resume_step=N.")
+
+
+def _check_divergence(loop: _Loop, fetched: list[dict[str, float]], step: int) -> None:
+  """Raises `Diverged` before anything of the stats period ending at `step`
+  is written. Process 0's verdict is broadcast, so every process stops at
+  the same stats period."""
+  problem = loop.divergence.first_problem(fetched, step - len(fetched) + 1)
+  if actions_lib.broadcast_decision(int(problem is not None)):
+    raise Diverged(_diverged_message(loop, problem or "in the stats period before step "
+                                     f"{step} (found by process 0)"))
 
 
 def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | None:
   fetched = metrics_lib.fetch(pending)
-  _check_finite(fetched, step)
+  _check_divergence(loop, fetched, step)
   scalars = metrics_lib.average(fetched)
   scalars.update(loop.progress.timing(step, scalars))
   loop.writer.write_scalars(step, scalars)
@@ -692,9 +820,7 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
           ) -> tuple[TrainState, int, actions_lib.Stop]:
   """Ends training for an action: keeps the step unless its state is bad."""
   if not stop.save:
-    raise NonFiniteLossError(f"Stopped at step {step}: {stop.reason}; the step was not "
-                             "saved. Restart from the last checkpoint with a lower learning "
-                             "rate or gradient clipping.")
+    raise Diverged(_diverged_message(loop, f"at step {step}: {stop.reason}"))
   if loop.periods.checkpoint:
     loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
@@ -702,12 +828,16 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
 
 
 def _any_process_preempted() -> bool:
-  """Whether any process got SIGTERM: every process must checkpoint the same
-  step, so a multi-process job agrees at each stats period (one small
-  all-gather) instead of acting on its own signal mid-period."""
+  """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint
+  the same step, so a multi-process job agrees at each stats period (one
+  small all-gather) instead of acting on its own signal mid-period."""
   from jax.experimental import multihost_utils
-  flags = multihost_utils.process_allgather(np.asarray([_PREEMPTION.is_set()], np.int32))
-  return bool(np.any(flags))
+  # 0: go on, 1: preemption asked, 2: Ctrl-C; one Ctrl-C makes every process exit 130.
+  code = int(_PREEMPTION.is_set()) + int(_INTERRUPTED.is_set())
+  codes = multihost_utils.process_allgather(np.asarray([code], np.int32))
+  if np.any(codes == 2):
+    _INTERRUPTED.set()
+  return bool(np.any(codes))
 
 
 def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
@@ -721,25 +851,43 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
     step += 1
     pending.append(step_metrics)
   if pending:
-    _write_stats(loop, step, pending)  # also refuses to save a non-finite state
+    _write_stats(loop, step, pending)  # also refuses to save a diverged state
   loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
-  raise Preempted(step)
+  raise (Interrupted if _INTERRUPTED.is_set() else Preempted)(step)
 
 
-class _SigtermToPreemption:
-  """Within the loop, SIGTERM requests a clean preemption instead of killing."""
+class _SignalsToPreemption:
+  """Within the loop, SIGTERM and Ctrl-C (SIGINT) request a clean preemption
+  instead of killing; after a Ctrl-C, a second one kills at once."""
 
   def __enter__(self):
     _PREEMPTION.clear()
+    _INTERRUPTED.clear()
     self._installed = threading.current_thread() is threading.main_thread()
     if self._installed:
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: request_preemption())
+      self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM,
+                                                      lambda *_: request_preemption()),
+                        signal.SIGINT: signal.signal(signal.SIGINT, _interrupt)}
     return self
 
   def __exit__(self, *exc):
     if self._installed:
-      signal.signal(signal.SIGTERM, self._previous)
+      signal.signal(signal.SIGTERM, self._previous[signal.SIGTERM])
+      if not _INTERRUPTED.is_set():  # else a second Ctrl-C must still end the process
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
     _PREEMPTION.clear()
+
+
+def _interrupt(*_: Any) -> None:
+  """The first Ctrl-C: checkpoint the current step and stop (exit 130)."""
+  # From now on SIGINT has the system's default action, so a second Ctrl-C
+  # ends the process at once, even while it waits for a checkpoint write
+  # (the half-written step is never restored).
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  if jax.process_index() == 0:
+    os.write(2, b"t5lite: Ctrl-C: saving the current step, then exiting; press Ctrl-C again "
+                b"to exit at once without saving.\n")
+  request_preemption(interrupted=True)
 
 
 def _resolve_seed(random_seed: int | None) -> int:
@@ -774,6 +922,9 @@ def train(*,
           gc_period: int = 0,
           prefetch_batches: int = 2,
           peak_flops_per_device: float | None = None,
+          max_update_ratio: float | None = 1.0,
+          loss_spike_factor: float | None = 3.0,
+          loss_spike_window: int = 100,
           summarize_config_fn: Callable[[str], None] | None = None) -> tuple[int, TrainState]:
   """Trains `model` on `train_dataset_cfg`, checkpointing into `model_dir`.
 
@@ -810,6 +961,16 @@ def train(*,
       GPUs and TPUs in `metrics.PEAK_FLOPS_PER_DEVICE` and shows model FLOP/s
       alone on other devices (on a CPU, bind the matmul peak `make bench`
       measures).
+    max_update_ratio: training stops (exit 3) at a step whose update is larger
+      than this multiple of the parameters' norm; None disables. A NaN or
+      Inf loss, gradient norm or parameter norm always stops it.
+    loss_spike_factor: training stops at a step where the median loss of the
+      last 10 steps exceeds this multiple of the median loss of the
+      `loss_spike_window` steps before them; None disables. Either way
+      nothing of that stats period is saved, so the newest checkpoint
+      predates the divergence (see docs/checkpoints.md).
+    loss_spike_window: steps in that reference median; the check starts once
+      a run or restart has trained that many steps plus 10.
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
 
@@ -820,6 +981,9 @@ def train(*,
   Raises:
     ValueError: invalid configuration, before anything compiles or is written.
   """
+  divergence = DivergenceLimits(max_update_ratio=max_update_ratio,
+                                loss_spike_factor=loss_spike_factor,
+                                loss_spike_window=loss_spike_window)
   seed = _resolve_seed(random_seed)
   trainer, periods = checked_setup(
       model=model, trainer_cls=trainer_cls, seed=seed, train_dataset_cfg=train_dataset_cfg,
@@ -835,7 +999,7 @@ def train(*,
               relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
               run_eval_before_training=run_eval_before_training,
               prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
-              summarize_config_fn=summarize_config_fn)
+              summarize_config_fn=summarize_config_fn, divergence=divergence)
 
 
 def checked_setup(*, model: Any, trainer_cls: Callable[..., Any], seed: int,
@@ -872,7 +1036,7 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
 
 def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_cfg, actions,
                 train_task, specs, checkpointer, model_dir, start, end, eval_steps,
-                peak_flops_per_device=None) -> _Loop:
+                peak_flops_per_device=None, divergence=DivergenceLimits()) -> _Loop:
   """The compiled step, the evaluators and the writers around the data."""
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
   evaluator = infer_evaluator = None
@@ -889,7 +1053,7 @@ def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_c
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
                progress=progress, periods=periods, evaluator=evaluator,
                infer_evaluator=infer_evaluator, actions=actions, train_task=train_task,
-               total_steps=end)
+               total_steps=end, divergence=DivergenceCheck(divergence))
 
 
 def _progress(model: Any, data: TrainData, start: int, end: int,
@@ -931,8 +1095,8 @@ def _holding_model_dir_lock(run: Callable[..., Any]) -> Callable[..., Any]:
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
          checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
-         prefetch_batches, peak_flops_per_device, summarize_config_fn
-         ) -> tuple[int, TrainState]:
+         prefetch_batches, peak_flops_per_device, summarize_config_fn,
+         divergence=DivergenceLimits()) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   data = TrainData(model, train_cfg, partitioner, prefetch_batches)
   specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
@@ -958,7 +1122,8 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
                      data=data, eval_cfg=eval_cfg, infer_cfg=infer_cfg, actions=actions,
                      train_task=train_cfg.mixture_or_task_name, specs=specs,
                      checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
-                     eval_steps=eval_steps, peak_flops_per_device=peak_flops_per_device)
+                     eval_steps=eval_steps, peak_flops_per_device=peak_flops_per_device,
+                     divergence=divergence)
   metrics_lib.log_line(_banner(model=model, specs=specs, partitioner=partitioner,
                                train_cfg=train_cfg, periods=periods, start=start, end=end,
                                checkpointer=checkpointer))
@@ -966,7 +1131,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
   if periods.gc:
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
-    with _SigtermToPreemption():
+    with _SignalsToPreemption():
       stop = None
       if run_eval_before_training:
         stop = evaluate_all(loop, start, state.params)

@@ -117,6 +117,35 @@ def optimizer_metrics(old_opt_state: Any, new_opt_state: Any) -> Metrics:
   return metrics
 
 
+def _global_norm(tree: Any) -> jax.Array:
+  """The L2 norm of all leaves together, accumulated in float32."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def norm_metrics(grads: Any, old_params: Any, new_params: Any) -> Metrics:
+  """The global norms that show a step going wrong, for the divergence checks.
+
+  The loss of a step measures the parameters it started from; only these
+  measure the parameters it produced, which are what a checkpoint saves. An
+  update that is large against the parameters (e.g. a learning rate far
+  too high) can leave a finite loss and an exploded state.
+
+  Args:
+    grads: the step's raw gradients (before any clipping).
+    old_params: parameters before the update.
+    new_params: parameters after it.
+
+  Returns:
+    {"grad_norm", "param_norm" (after the update), "update_ratio" (norm of
+    the update over the norm of the parameters before it)}.
+  """
+  update = jax.tree.map(lambda new, old: new.astype(jnp.float32) - old.astype(jnp.float32),
+                        new_params, old_params)
+  old_norm = _global_norm(old_params)
+  return {"grad_norm": _global_norm(grads), "param_norm": _global_norm(new_params),
+          "update_ratio": _global_norm(update) / jnp.maximum(old_norm, 1e-30)}
+
+
 def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: int,
                num_microbatches: int | None) -> tuple[TrainState, Metrics]:
   """One optimizer update; pure, so the partitioner can jit and donate it."""
@@ -126,6 +155,7 @@ def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: i
   new_state = state.apply_gradients(grads)
   metrics = summarize(loss, sums, model.loss_normalizer(batch))
   metrics.update(optimizer_metrics(state.opt_state, new_state.opt_state))
+  metrics.update(norm_metrics(grads, state.params, new_state.params))
   metrics["num_tokens"] = sums.get("weight_sum", jnp.zeros((), jnp.float32))
   metrics["num_examples"] = sums.get("num_examples", jnp.zeros((), jnp.float32))
   return new_state, metrics

@@ -149,12 +149,15 @@ def test_dry_run_stops_on_what_training_stops_on(tmp_path):
   assert "--dry_run is a t5lite-train flag" in refused.stderr.strip().splitlines()[-1]
 
 
-def test_dry_run_shares_train_checks_in_process(tmp_path, clean_gin):
+@pytest.mark.parametrize("binding, message", [
+    ("peak_flops_per_device=0.0", "peak_flops_per_device must be a positive FLOP/s figure"),
+    ("loss_spike_factor=0.5", "loss_spike_factor=0.5 must be a number above 1"),
+])
+def test_dry_run_shares_train_checks_in_process(tmp_path, clean_gin, binding, message):
   # train() and the dry run start from the same checked setup: a setting
   # train() refuses before any work, the dry run refuses with the same line.
   kwargs = train_arguments([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
-                            "--gin.train_lib.train.peak_flops_per_device=0.0"])
-  message = "peak_flops_per_device must be a positive FLOP/s figure"
+                            f"--gin.train_lib.train.{binding}"])
   with pytest.raises(ValueError, match=message):
     dry_run.run(out=io.StringIO(), **kwargs)
   with pytest.raises(ValueError, match=message):

@@ -3,8 +3,10 @@
 import os
 import signal
 import subprocess
+import sys
+import threading
 
-from test_cli import BIN, JAX_CACHE, TINY, run_cli
+from test_cli import BIN, JAX_CACHE, TINY, run_cli, scalars
 
 import pytest
 
@@ -37,20 +39,76 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path)
   assert f"steps {saved[0]} -> {target};" in again.stdout
 
 
-def test_nan_loss_stops_without_overwriting_good_checkpoints(tmp_path):
+def test_ctrl_c_checkpoints_the_current_step_and_exits_130(tmp_path):
   model_dir = tmp_path / "run"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]
-  good = run_cli([*base, "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path))
+  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
+          "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
+  with open(tmp_path / "stderr.txt", "w") as stderr:  # a file never fills up and blocks
+    proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path),
+                            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+  watchdog = threading.Timer(600, proc.kill)  # a child that never gets going fails the test
+  watchdog.start()
+  try:
+    for line in proc.stdout:
+      if line.startswith("step 3/"):
+        break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+  finally:
+    watchdog.cancel()
+    proc.kill()
+  err = (tmp_path / "stderr.txt").read_text()
+  assert proc.returncode == 130, err[-3000:]
+  assert "Interrupted: Stopped by Ctrl-C at step" in err.strip().splitlines()[-1]
+  assert "press Ctrl-C again to exit at once" in err
+  saved = [int(s) for s in os.listdir(model_dir / "checkpoints")]
+  assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
+
+
+_TWO_CTRL_C = """
+import os, signal, sys, time
+from t5lite import train
+with train._SignalsToPreemption():
+  os.kill(os.getpid(), signal.SIGINT)
+  time.sleep(0.5)
+  print("first Ctrl-C asked to stop:", train._PREEMPTION.is_set(), flush=True)
+  os.kill(os.getpid(), signal.SIGINT)
+  time.sleep(30)
+print("second Ctrl-C was ignored", flush=True)
+"""
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _TWO_CTRL_C], cwd=str(tmp_path), env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert "first Ctrl-C asked to stop: True" in proc.stdout, proc.stderr[-3000:]
+  assert "ignored" not in proc.stdout
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]  # the shell reports 130
+
+
+def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(tmp_path):
+  model_dir = tmp_path / "run"
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]  # checkpoints and stats every 2 steps
+  good = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
   assert good.returncode == 0, good.stderr[-3000:]
-  before = sorted(os.listdir(model_dir / "checkpoints"))
-  # An absurd learning rate blows the weights up within a couple of steps.
+  # The update of step 5 blows the weights up (|params| ~1e9) with a finite
+  # loss; the loss is NaN only at step 8, after step 6 would have been saved.
   bad = run_cli([*base, "--gin.TRAIN_STEPS=8",
-                 "--gin.optimizers.rsqrt_with_warmup.base_learning_rate=1e37"],
+                 "--gin.optimizers.rsqrt_with_warmup.base_learning_rate=1e9"],
                 cwd=str(tmp_path))
   assert bad.returncode == 3, bad.stderr[-3000:]
   last = bad.stderr.strip().splitlines()[-1]
-  assert "NonFiniteLossError: Loss became" in last and "at step" in last
-  assert sorted(os.listdir(model_dir / "checkpoints")) == before == ["2"]
+  assert "Training diverged at step 5: the update was" in last, last
+  assert "the newest checkpoint is step 4" in last and "resume_step=N" in last, last
+  assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["2", "4"]
+  # What is on disk is sound: the normal rate trains on from it.
+  again = run_cli([*base, "--gin.TRAIN_STEPS=8"], cwd=str(tmp_path))
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Restoring step 4" in again.stdout
+  losses = scalars(str(model_dir / "train"), "loss")
+  assert sorted(losses) == [2, 4, 6, 8] and all(0 < v < 7 for v in losses.values()), losses
 
 
 def _params(step_dir):

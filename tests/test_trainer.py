@@ -59,13 +59,25 @@ def test_train_step_metrics_and_update(model_and_params):
                                           num_microbatches=None)
   assert int(new_state.step) == 1
   assert set(metrics) >= {"loss", "accuracy", "z_loss", "cross_ent_loss", "learning_rate",
-                          "num_tokens"}
+                          "num_tokens", "grad_norm", "param_norm", "update_ratio"}
+  assert 0 < float(metrics["update_ratio"]) < 0.1  # a normal step moves the parameters a little
   np.testing.assert_allclose(metrics["learning_rate"], 0.01, rtol=1e-6)
   np.testing.assert_allclose(metrics["num_tokens"], _batch()["decoder_loss_weights"].sum())
   np.testing.assert_allclose(metrics["loss"], metrics["cross_ent_loss"] + metrics["z_loss"],
                              rtol=1e-5)
   changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new_state.params, state.params)
   assert all(jax.tree.leaves(changed))
+
+
+def test_norm_metrics_measure_gradients_parameters_and_the_update():
+  old = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]], jnp.bfloat16)}
+  new = {"a": jnp.array([3.0, 10.0]), "b": jnp.array([[4.0]], jnp.bfloat16)}
+  grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([[jnp.nan]], jnp.bfloat16)}
+  m = trainer.norm_metrics(grads, old, new)
+  assert np.isnan(m["grad_norm"])  # a NaN anywhere shows, whatever the dtype
+  np.testing.assert_allclose(m["param_norm"], np.sqrt(9 + 100 + 16))
+  np.testing.assert_allclose(m["update_ratio"], 10.0 / 5.0)  # |update| / |params before|
+  assert all(v.dtype == jnp.float32 for v in m.values())
 
 
 def test_microbatch_validation_message():
