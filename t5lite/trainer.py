@@ -27,6 +27,7 @@ class Model(Protocol):
   """The part of `models.BaseModel` the trainer uses."""
 
   def loss_normalizer(self, batch: Batch) -> jax.Array: ...
+  def validate_num_microbatches(self, num_microbatches: int | None) -> None: ...
   def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
               loss_normalizer: jax.Array | None = None,
               num_microbatches: int = 1) -> tuple[jax.Array, Metrics]: ...
@@ -168,6 +169,9 @@ class Trainer:
           f"Each microbatch ({batch_size} / {n} = {batch_size // n} examples) must split "
           f"over the {self.partitioner.batch_size_divisor()} data-parallel devices; "
           "use fewer microbatches or a larger batch.")
+    check = getattr(self.model, "validate_num_microbatches", None)
+    if check is not None:
+      check(n)
 
   def compile_train_step(self, state_shardings: Any, batch_shardings: Any) -> Any:
     """Returns `step(state, batch) -> (state, metrics)`, jitted with donated state."""
