@@ -2,9 +2,8 @@
 
 import os
 import signal
-import subprocess
 
-from test_cli import BIN, JAX_CACHE, TINY, run_cli
+from test_cli import TINY, Child, run_cli
 
 import pytest
 
@@ -16,15 +15,11 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path)
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
           "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
-  proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  for line in proc.stdout:  # wait until training is really under way
-    if line.startswith("step 3/"):
-      break
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=300)
-  assert proc.returncode == 143, err[-3000:]
+  child = Child(args, cwd=str(tmp_path))
+  child.wait_for_line("step 3/", timeout=300)  # wait until training is really under way
+  child.proc.send_signal(signal.SIGTERM)
+  returncode, _, err = child.finish(timeout=300)
+  assert returncode == 143, err[-3000:]
   assert "Preempted at step" in err.strip().splitlines()[-1]
   saved = [int(s) for s in os.listdir(model_dir / "checkpoints")]
   assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
@@ -69,16 +64,10 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise(tmp_path):
   assert straight.returncode == 0, straight.stderr[-3000:]
 
   killed_dir = tmp_path / "b"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
-  proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *common,
-                           f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  for line in proc.stdout:
-    if line.startswith("step 5/"):  # past the step-4 checkpoint, before the end
-      break
-  proc.kill()
-  proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL
+  child = Child([*common, f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path))
+  child.wait_for_line("step 5/", timeout=300)  # past the step-4 checkpoint, before the end
+  child.proc.kill()
+  assert child.finish(timeout=60)[0] == -signal.SIGKILL
   resumed = run_cli([*common, f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Restoring step 4" in resumed.stdout
