@@ -403,6 +403,21 @@ def test_expert_params_logical_axes():
                     "wo": (EXPERTS, EXPERT_MLP, EMBED)}
 
 
+def test_router_kernel_shards_as_its_docstring_says():
+  from jax.sharding import PartitionSpec as P
+
+  from t5lite import partitioning
+  boxed = jax.eval_shape(lambda: _layer().init(jax.random.key(0), _inputs()))
+  router = nn.get_partition_spec(boxed)["params"]["router"]["kernel"]
+  assert "experts dimension is never split" in " ".join(moe.MoeLayer.__doc__.split())
+  expected = ((partitioning.standard_logical_axis_rules(), P(None, None)),
+              (partitioning.fsdp_logical_axis_rules(), P("fsdp", None)),
+              (partitioning.standard_logical_axis_rules(1, 2), P("data", None)))
+  for rules, spec in expected:
+    assert partitioning.Partitioner(logical_axis_rules=rules).logical_to_mesh_spec(
+        router) == spec
+
+
 def test_validate_expert_partitioning():
   moe.validate_expert_partitioning(8, 4)
   moe.validate_expert_partitioning(4, 4)
