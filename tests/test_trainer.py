@@ -79,7 +79,8 @@ def test_train_step_compiles_once(model_and_params):
   model, params = model_and_params
   p = partitioning.Partitioner()
   t = trainer.Trainer(model=model, partitioner=p)
-  state = TrainState.create(params, optimizers.adafactor(0.01))
+  # The step donates its state: copies keep the shared fixture's arrays alive.
+  state = TrainState.create(jax.tree.map(jnp.copy, params), optimizers.adafactor(0.01))
   import flax.linen as nn
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
