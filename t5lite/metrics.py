@@ -1,4 +1,8 @@
-"""Metric writers: TensorBoard event files and a console progress line.
+"""Metrics: weighted evaluation averages, TensorBoard writers, console progress.
+
+Evaluation metrics are `clu.metrics` objects, one per batch, merged over the
+batches of an evaluation before they are computed, so a batch counts by its
+weight (its tokens or examples), as in T5X, and never as one equal vote.
 
 Only the primary process writes files; the others log to the console only,
 which keeps multi-host runs from writing duplicate event files.
@@ -6,13 +10,63 @@ which keeps multi-host runs from writing duplicate event files.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 
+import flax
 import jax
 import numpy as np
 from absl import logging
 from clu import metric_writers
+from clu import metrics as clu_metrics
+
+
+@flax.struct.dataclass
+class Average(clu_metrics.Average):
+  """clu's weighted average `total / count` that is 0.0, not NaN, when
+  nothing was counted (e.g. every loss weight of the evaluation was zero).
+
+  Build it as `Average(total=sum of values * weights, count=sum of weights)`;
+  `merge` adds totals and counts.
+  """
+
+  def compute(self) -> float:
+    count = float(self.count)
+    return float(self.total) / count if count else 0.0
+
+
+@flax.struct.dataclass
+class Sum(clu_metrics.Metric):
+  """A total over batches (a count such as the evaluated tokens)."""
+
+  total: jax.Array
+
+  def merge(self, other: Sum) -> Sum:
+    return type(self)(total=self.total + other.total)
+
+  def compute(self) -> float:
+    return float(self.total)
+
+
+def merge_and_compute(per_batch: Sequence[Mapping[str, clu_metrics.Metric]]
+                      ) -> dict[str, float]:
+  """Fetches per-batch clu metrics in one transfer, merges them and computes.
+
+  The totals are merged in float64 on the host, so many batches add up
+  without float32 rounding.
+
+  Args:
+    per_batch: one `{name: Metric}` per batch, all with the same names.
+
+  Returns:
+    name -> value over all batches; {} for no batches.
+  """
+  if not per_batch:
+    return {}
+  fetched = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(list(per_batch)))
+  merged = functools.reduce(lambda a, b: {k: a[k].merge(b[k]) for k in a}, fetched)
+  return {k: float(m.compute()) for k, m in merged.items()}
 
 
 class SummaryWriter:
@@ -53,11 +107,6 @@ def average(fetched: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {}
   reduce = lambda k: np.sum if k in SUMMED_METRICS else np.mean  # noqa: E731
   return {k: float(reduce(k)([m[k] for m in fetched])) for k in fetched[0]}
-
-
-def mean_metrics(per_step: Sequence[Mapping[str, jax.Array]]) -> dict[str, float]:
-  """Fetches per-step device metrics in one transfer and averages them."""
-  return average(fetch(per_step))
 
 
 def format_duration(seconds: float) -> str:

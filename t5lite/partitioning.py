@@ -39,18 +39,24 @@ def standard_logical_axis_rules(
     activation_partitioning_dims: int = 1,
     parameter_partitioning_dims: int = 1,
     additional_rules: LogicalRules | None = None,
+    override_rules: LogicalRules | None = None,
 ) -> list[tuple[str, str | tuple[str, ...] | None]]:
   """T5X-style rules: batch over data, wide dimensions over `model`.
 
-  Rules are read in order and the first rule whose mesh axes are still free
-  in an array wins, so `additional_rules` come first to override the rest.
+  Rules are read in order and, for each dimension of an array, the first rule
+  whose mesh axes are still free wins. As in T5X, `additional_rules` are
+  appended after the standard ones, so a T5X gin file ported unchanged means
+  the same: they name logical axes the standard rules do not (e.g. a custom
+  layer's) or serve as fallbacks, and never replace a standard rule. To
+  replace one, use `override_rules` (t5lite only), which go first and win.
 
   Args:
     activation_partitioning_dims: 1 or 2; 2 also splits activations' embed
       dimension over `model`.
     parameter_partitioning_dims: 1 or 2; 2 also splits parameters' embed
       dimension over `data` (2-D weight sharding).
-    additional_rules: rules placed before the standard ones.
+    additional_rules: rules appended after the standard ones (T5X).
+    override_rules: rules placed before the standard ones, so they win.
 
   Returns:
     A list of (logical axis, mesh axes) pairs, plain data that gin can bind.
@@ -58,12 +64,26 @@ def standard_logical_axis_rules(
   Raises:
     ValueError: a partitioning dimension other than 1 or 2.
   """
+  return _with_extra_rules(
+      _standard_rules(activation_partitioning_dims, parameter_partitioning_dims),
+      additional_rules, override_rules)
+
+
+def _with_extra_rules(rules: list[tuple[str, Any]], additional_rules: LogicalRules | None,
+                      override_rules: LogicalRules | None) -> list[tuple[str, Any]]:
+  """`override_rules`, then `rules`, then `additional_rules`."""
+  return ([tuple(r) for r in override_rules or []] + rules
+          + [tuple(r) for r in additional_rules or []])
+
+
+def _standard_rules(activation_partitioning_dims: int, parameter_partitioning_dims: int
+                    ) -> list[tuple[str, Any]]:
+  """The standard rules alone, for 1-D or 2-D activation / parameter sharding."""
   for name, dims in (("activation_partitioning_dims", activation_partitioning_dims),
                      ("parameter_partitioning_dims", parameter_partitioning_dims)):
     if dims not in (1, 2):
       raise ValueError(f"{name}={dims} is not supported; use 1 or 2.")
-  rules: list[tuple[str, Any]] = list(additional_rules or [])
-  rules += [
+  rules: list[tuple[str, Any]] = [
       # Experts claim the `expert` axis first; in an array that has both, the
       # batch then falls back to (data, fsdp), so tokens move to their
       # experts (all-to-all) instead of expert weights being gathered.
@@ -85,7 +105,8 @@ def standard_logical_axis_rules(
   return rules
 
 
-def fsdp_logical_axis_rules(additional_rules: LogicalRules | None = None
+def fsdp_logical_axis_rules(additional_rules: LogicalRules | None = None,
+                            override_rules: LogicalRules | None = None
                             ) -> list[tuple[str, str | tuple[str, ...] | None]]:
   """Fully sharded data parallel: parameters and optimizer state over `fsdp`.
 
@@ -96,15 +117,17 @@ def fsdp_logical_axis_rules(additional_rules: LogicalRules | None = None
   dimensions still go to `model`, so with a `model` axis this is 2-D FSDP+TP.
 
   Args:
-    additional_rules: rules placed before the preset.
+    additional_rules: rules appended after the preset (as in
+      `standard_logical_axis_rules`: they never replace a preset rule).
+    override_rules: rules placed before the preset, so they win.
 
   Returns:
     Plain (logical axis, mesh axes) pairs.
   """
-  rules = standard_logical_axis_rules(additional_rules=additional_rules)
+  rules = _standard_rules(1, 1)
   # Before the catch-all (embed, None) so it wins for parameters.
   rules.insert(rules.index((ax.EMBED, None)), (ax.EMBED, "fsdp"))
-  return rules
+  return _with_extra_rules(rules, additional_rules, override_rules)
 
 
 def select_mesh_shape(mesh_rules: MeshRules, selector: str) -> dict[str, int]:

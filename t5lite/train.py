@@ -587,7 +587,8 @@ class TrainEvaluator:
     out = {}
     for name, ds in self._datasets.items():
       batches = global_batches(ds.take(self._steps), self._partitioner, self._batch)
-      results = metrics_lib.mean_metrics([self._step_fn(params, b) for b in batches])
+      # Merged clu metrics: each batch weighs by its tokens (or rows), not 1.
+      results = metrics_lib.merge_and_compute([self._step_fn(params, b) for b in batches])
       self._writers[name].write_scalars(step, results)
       self._writers[name].flush()
       out[name] = results

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from t5lite import metrics as metrics_lib
 from t5lite import optimizers
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState
@@ -27,6 +28,7 @@ class Model(Protocol):
   """The part of `models.BaseModel` the trainer uses."""
 
   def loss_normalizer(self, batch: Batch) -> jax.Array: ...
+  def validate_num_microbatches(self, num_microbatches: int | None) -> None: ...
   def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
               loss_normalizer: jax.Array | None = None,
               num_microbatches: int = 1) -> tuple[jax.Array, Metrics]: ...
@@ -80,13 +82,19 @@ def accumulate_gradients(model: Model, params: Any, batch: Batch, dropout_rng: j
   return jax.lax.fori_loop(0, num_microbatches, body, zeros)
 
 
+def _safe(normalizer: jax.Array) -> jax.Array:
+  """The normalizer, or 1 where it is 0: a batch without weighted tokens has
+  zero sums too, so its per-token metrics are 0 instead of 0/0."""
+  return jnp.where(normalizer == 0, 1.0, normalizer)
+
+
 def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
   """Per-step metrics from the loss and the model's sums."""
   metrics = {"loss": loss}
   if "cross_ent_sum" in sums:
-    metrics["cross_ent_loss"] = sums["cross_ent_sum"] / normalizer
+    metrics["cross_ent_loss"] = sums["cross_ent_sum"] / _safe(normalizer)
   if "z_loss_sum" in sums:
-    metrics["z_loss"] = sums["z_loss_sum"] / normalizer
+    metrics["z_loss"] = sums["z_loss_sum"] / _safe(normalizer)
   if "correct_sum" in sums and "weight_sum" in sums:
     metrics["accuracy"] = sums["correct_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
   for name, value in sums.items():
@@ -95,6 +103,41 @@ def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
     if "/" in name:
       metrics[name] = value
   return metrics
+
+
+def eval_metrics(loss: jax.Array, sums: Metrics, normalizer: jax.Array, num_rows: int
+                 ) -> dict[str, Any]:
+  """One batch's evaluation metrics, to be merged with other batches'.
+
+  Each is a `metrics.Average` weighted so that merging batches gives what
+  one batch holding all of their examples would: the losses by the loss
+  normalizer (the weighted target tokens, or `loss_normalizing_factor` per
+  batch), accuracy by the weighted tokens (T5X's masked `Accuracy`), and the
+  model's batch means (`experts/...`) by the batch's rows. `num_tokens` is
+  the total of weighted tokens.
+
+  Args:
+    loss: the batch's normalized loss.
+    sums: the model's sums (see `models.token_loss_sums`).
+    normalizer: the divisor `loss` was computed with.
+    num_rows: examples in the batch, padding rows included.
+
+  Returns:
+    name -> `metrics.Average` or `metrics.Sum`.
+  """
+  rows = jnp.asarray(num_rows, jnp.float32)
+  out: dict[str, Any] = {"loss": metrics_lib.Average(total=loss * normalizer, count=normalizer)}
+  if "cross_ent_sum" in sums:
+    out["cross_ent_loss"] = metrics_lib.Average(total=sums["cross_ent_sum"], count=normalizer)
+  if "z_loss_sum" in sums:
+    out["z_loss"] = metrics_lib.Average(total=sums["z_loss_sum"], count=normalizer)
+  if "correct_sum" in sums and "weight_sum" in sums:
+    out["accuracy"] = metrics_lib.Average(total=sums["correct_sum"], count=sums["weight_sum"])
+  for name, value in sums.items():
+    if "/" in name:
+      out[name] = metrics_lib.Average(total=value * rows, count=rows)
+  out["num_tokens"] = metrics_lib.Sum(total=sums.get("weight_sum", jnp.zeros((), jnp.float32)))
+  return out
 
 
 def optimizer_metrics(old_opt_state: Any, new_opt_state: Any) -> Metrics:
@@ -161,13 +204,14 @@ def train_step(state: TrainState, batch: Batch, *, model: Model, dropout_seed: i
   return new_state, metrics
 
 
-def eval_step(params: Any, batch: Batch, *, model: Model) -> Metrics:
-  """Teacher-forced metrics without dropout."""
+def eval_step(params: Any, batch: Batch, *, model: Model) -> dict[str, Any]:
+  """Teacher-forced metrics without dropout, as mergeable `clu.metrics`
+  (see `eval_metrics`; `metrics.merge_and_compute` turns a list of them into
+  numbers)."""
   normalizer = model.loss_normalizer(batch)
   loss, sums = model.loss_fn(params, batch, None, normalizer)
-  metrics = summarize(loss, sums, normalizer)
-  metrics["num_tokens"] = sums.get("weight_sum", jnp.zeros((), jnp.float32))
-  return metrics
+  num_rows = next(iter(jax.tree.leaves(batch))).shape[0]
+  return eval_metrics(loss, sums, normalizer, num_rows)
 
 
 @dataclasses.dataclass
@@ -198,6 +242,9 @@ class Trainer:
           f"Each microbatch ({batch_size} / {n} = {batch_size // n} examples) must split "
           f"over the {self.partitioner.batch_size_divisor()} data-parallel devices; "
           "use fewer microbatches or a larger batch.")
+    check = getattr(self.model, "validate_num_microbatches", None)
+    if check is not None:
+      check(n)
 
   def compile_train_step(self, state_shardings: Any, batch_shardings: Any) -> Any:
     """Returns `step(state, batch) -> (state, metrics)`, jitted with donated state."""
@@ -209,7 +256,7 @@ class Trainer:
                                       donate_argnums=(0,))
 
   def compile_eval_step(self, params_shardings: Any, batch_shardings: Any) -> Any:
-    """Returns `step(params, batch) -> metrics`, jitted."""
+    """Returns `step(params, batch) -> {name: clu metric}`, jitted."""
     def step(params, batch):
       return eval_step(params, batch, model=self.model)
     return self.partitioner.partition(step, in_shardings=(params_shardings, batch_shardings),

@@ -2,10 +2,13 @@
 
 import glob
 import os
+import queue
 import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import gin
 import pytest
@@ -24,10 +27,76 @@ JAX_CACHE = dict(JAX_COMPILATION_CACHE_DIR=os.path.join(tempfile.gettempdir(), "
                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
+def cli_env():
+  return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
+
+
 def run_cli(args, cwd, script="t5lite-train", timeout=600):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
-  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
+  return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=cli_env(),
                         capture_output=True, text=True, timeout=timeout)
+
+
+class Child:
+  """A console script running in the background, for tests that act on it
+  while it runs (signals, kills).
+
+  Threads drain stdout and stderr as they arrive, so a chatty child never
+  blocks on a full pipe, and every wait has a deadline: a stuck child fails
+  the test (and is killed) instead of hanging the test run.
+  """
+
+  def __init__(self, args, cwd, script="t5lite-train"):
+    self.proc = subprocess.Popen([os.path.join(BIN, script), *args], cwd=cwd, env=cli_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    self._stdout_lines = queue.Queue()
+    self._out, self._err = [], []
+    self._threads = [threading.Thread(target=self._drain, args=(self.proc.stdout, self._out,
+                                                                 self._stdout_lines)),
+                     threading.Thread(target=self._drain, args=(self.proc.stderr, self._err, None))]
+    for thread in self._threads:
+      thread.daemon = True
+      thread.start()
+
+  @staticmethod
+  def _drain(stream, lines, notify):
+    for line in stream:
+      lines.append(line)
+      if notify is not None:
+        notify.put(line)
+    if notify is not None:
+      notify.put(None)  # end of output
+
+  def wait_for_line(self, prefix, timeout):
+    """Returns the first stdout line starting with `prefix`; fails the test if
+    none comes within `timeout` seconds or the child ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        line = self._stdout_lines.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        self.proc.kill()
+        self.finish(60)
+        pytest.fail(f"no stdout line starting with {prefix!r} within {timeout}s; "
+                    f"stderr ends:\n{''.join(self._err)[-3000:]}")
+      if line is None:
+        returncode, _, err = self.finish(60)
+        pytest.fail(f"exited ({returncode}) before printing a line starting with {prefix!r}; "
+                    f"stderr ends:\n{err[-3000:]}")
+      if line.startswith(prefix):
+        return line
+
+  def finish(self, timeout):
+    """Waits for the child to end (killing it after `timeout` seconds, which
+    fails the test) and returns (returncode, stdout, stderr)."""
+    try:
+      self.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait(timeout=60)
+      pytest.fail(f"still running after {timeout}s; stderr ends:\n{''.join(self._err)[-3000:]}")
+    for thread in self._threads:
+      thread.join(timeout=60)
+    return self.proc.returncode, "".join(self._out), "".join(self._err)
 
 
 def scalars(logdir, tag):
@@ -74,6 +143,24 @@ def test_gin_file_resolves_from_package_root_anywhere(tmp_path, clean_gin):
   assert os.path.exists(os.path.join(cli.package_gin_root(), "gin", "pretrain_dense.gin"))
   with pytest.raises(ValueError, match="Gin file 'gin/nope.gin' not found"):
     cli.parse_gin(["gin/nope.gin"], [], paths)
+
+
+def test_child_drains_stderr_and_fails_instead_of_hanging(tmp_path):
+  # 1 MB on stderr fills any pipe buffer: a reader of stdout alone would wait
+  # forever for "ready" while the child waits for room on stderr.
+  chatty = Child(["-c", "import sys, time\nsys.stderr.write('x' * 2**20)\nsys.stderr.flush()\n"
+                  "print('ready', flush=True)\ntime.sleep(600)"], cwd=str(tmp_path),
+                 script="python")
+  assert chatty.wait_for_line("ready", timeout=120) == "ready\n"
+  chatty.proc.kill()
+  returncode, _, err = chatty.finish(timeout=60)
+  assert returncode < 0 and len(err) == 2**20
+  # A child that never prints the line fails the test at the deadline, killed.
+  stuck = Child(["-c", "import time; time.sleep(600)"], cwd=str(tmp_path), script="python")
+  started = time.monotonic()
+  with pytest.raises(pytest.fail.Exception, match="no stdout line starting with 'step'"):
+    stuck.wait_for_line("step", timeout=2)
+  assert time.monotonic() - started < 60 and stuck.proc.returncode is not None
 
 
 # ---------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def _make(tokens: list[str], box: Sandbox) -> list[str]:
   if tokens[1:] != ["train"]:
     return ["make", "--no-print-directory", "-n", *tokens[1:]]
   printed = subprocess.run(["make", "--no-print-directory", "-n", "train"], cwd=box.root, capture_output=True,
-                           text=True, check=True).stdout.strip().splitlines()
+                           text=True, check=True, timeout=120).stdout.strip().splitlines()
   command = shlex.split(printed[-1])
   assert os.path.basename(command[0]) == "t5lite-train", printed
   return _shrink_t5lite(command, box)

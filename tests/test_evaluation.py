@@ -71,7 +71,7 @@ def score_order(targets, scores):
       abs(s - _expected_score(t)) < 1e-3 for t, s in zip(targets, scores)) / len(targets)}
 
 
-def _register_echo_task(name, examples):
+def _register_echo_task(name, examples, targets=None):
   import seqio
   import tensorflow as tf
 
@@ -81,7 +81,8 @@ def _register_echo_task(name, examples):
 
   def dataset_fn(split, shuffle_files, seed=None):
     del split, shuffle_files, seed
-    return tf.data.Dataset.from_tensor_slices({"inputs": examples, "targets": examples})
+    return tf.data.Dataset.from_tensor_slices(
+        {"inputs": examples, "targets": examples if targets is None else targets})
 
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)
@@ -132,6 +133,30 @@ FINETUNE_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finet
 EVAL_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/eval.gin",
              "--gin_file=gin/testing/local_tiny.gin",
              "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH]
+
+
+def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
+  from t5lite import inference, partitioning
+  from t5lite.data.datasets import DatasetConfig
+
+  # 13 examples in batches of 4: the last batch holds example 12 alone, the
+  # only one whose prediction (its input) misses its target. Per example:
+  # 12/13 right; per batch it would be 3 of 4 batches, and with the padding
+  # rows counted the last batch would weigh 4.
+  examples = [f"example {i}" for i in range(13)]
+  targets = examples[:12] + ["something else"]
+  vocab = _register_echo_task("t5lite_test_echo_weights", examples, targets)
+  cfg = DatasetConfig(mixture_or_task_name="t5lite_test_echo_weights",
+                      task_feature_lengths={"inputs": 24, "targets": 24}, split="validation",
+                      batch_size=4, shuffle=False, seed=42, pack=False)
+  evaluator = inference.InferenceEvaluator(
+      model=EchoModel(vocab), cfg=cfg, partitioner=partitioning.Partitioner(num_partitions=1),
+      params_shardings={}, output_dir=str(tmp_path))
+  try:
+    results = evaluator.evaluate(1, {})["t5lite_test_echo_weights"]
+  finally:
+    evaluator.close()
+  assert results["accuracy"] == pytest.approx(100.0 * 12 / 13)
 
 
 def _read(path):

@@ -4,9 +4,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
-from test_cli import BIN, JAX_CACHE, TINY, run_cli, scalars
+from test_cli import TINY, Child, run_cli, scalars
 
 import pytest
 
@@ -18,15 +17,11 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path)
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
           "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
-  proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  for line in proc.stdout:  # wait until training is really under way
-    if line.startswith("step 3/"):
-      break
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=300)
-  assert proc.returncode == 143, err[-3000:]
+  child = Child(args, cwd=str(tmp_path))
+  child.wait_for_line("step 3/", timeout=300)  # wait until training is really under way
+  child.proc.send_signal(signal.SIGTERM)
+  returncode, _, err = child.finish(timeout=300)
+  assert returncode == 143, err[-3000:]
   assert "Preempted at step" in err.strip().splitlines()[-1]
   saved = [int(s) for s in os.listdir(model_dir / "checkpoints")]
   assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
@@ -43,23 +38,11 @@ def test_ctrl_c_checkpoints_the_current_step_and_exits_130(tmp_path):
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
           "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
-  with open(tmp_path / "stderr.txt", "w") as stderr:  # a file never fills up and blocks
-    proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path),
-                            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-  watchdog = threading.Timer(600, proc.kill)  # a child that never gets going fails the test
-  watchdog.start()
-  try:
-    for line in proc.stdout:
-      if line.startswith("step 3/"):
-        break
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=300)
-  finally:
-    watchdog.cancel()
-    proc.kill()
-  err = (tmp_path / "stderr.txt").read_text()
-  assert proc.returncode == 130, err[-3000:]
+  child = Child(args, cwd=str(tmp_path))
+  child.wait_for_line("step 3/", timeout=600)  # training is really under way
+  child.proc.send_signal(signal.SIGINT)
+  returncode, _, err = child.finish(300)
+  assert returncode == 130, err[-3000:]
   assert "Interrupted: Stopped by Ctrl-C at step" in err.strip().splitlines()[-1]
   assert "press Ctrl-C again to exit at once" in err
   saved = [int(s) for s in os.listdir(model_dir / "checkpoints")]
@@ -127,16 +110,10 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise(tmp_path):
   assert straight.returncode == 0, straight.stderr[-3000:]
 
   killed_dir = tmp_path / "b"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE)
-  proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *common,
-                           f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  for line in proc.stdout:
-    if line.startswith("step 5/"):  # past the step-4 checkpoint, before the end
-      break
-  proc.kill()
-  proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL
+  child = Child([*common, f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path))
+  child.wait_for_line("step 5/", timeout=300)  # past the step-4 checkpoint, before the end
+  child.proc.kill()
+  assert child.finish(timeout=60)[0] == -signal.SIGKILL
   resumed = run_cli([*common, f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Restoring step 4" in resumed.stdout

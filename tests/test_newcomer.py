@@ -17,7 +17,8 @@ from test_docs import REPO, Sandbox, ci_line, free_port, run_document
 
 
 def make_dry(clone, target):
-  result = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=clone, capture_output=True, text=True)
+  result = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=clone, capture_output=True, text=True,
+                          timeout=120)
   assert result.returncode == 0, result.stderr
   return result.stdout
 
@@ -31,12 +32,12 @@ def jsonl(path):
 @pytest.mark.docs
 def test_clone_readme_and_quickstart(tmp_path):
   clone = str(tmp_path / "t5lite")
-  subprocess.run(["git", "clone", "--quiet", REPO, clone], check=True)
+  subprocess.run(["git", "clone", "--quiet", REPO, clone], check=True, timeout=300)
   os.symlink(os.path.join(REPO, ".venv"), os.path.join(clone, ".venv"))
   env = {"PYTHONPATH": clone}
   where = subprocess.run([os.path.join(clone, ".venv", "bin", "python"), "-c",
                           "import t5lite; print(t5lite.__file__)"], env={**os.environ, **env},
-                         cwd=str(tmp_path), capture_output=True, text=True, check=True)
+                         cwd=str(tmp_path), capture_output=True, text=True, check=True, timeout=300)
   assert where.stdout.strip().startswith(clone)  # the clone's code, not the checkout's
 
   # README: `make train` makes the virtualenv, installs and trains the headline
@@ -53,7 +54,8 @@ def test_clone_readme_and_quickstart(tmp_path):
   readme_train = ci_line("make train", box, "README.md")
   result = subprocess.run(["bash", "-c", readme_train], cwd=clone, capture_output=True,
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", **env,
-                                          "PATH": f"{clone}/.venv/bin:{os.environ['PATH']}"})
+                                          "PATH": f"{clone}/.venv/bin:{os.environ['PATH']}"},
+                          timeout=1200)
   assert result.returncode == 0, result.stderr[-3000:]
   pretrain = os.path.join(clone, "runs", "pretrain")
   assert sorted(os.listdir(os.path.join(pretrain, "checkpoints"))) == ["2", "4"]
@@ -85,6 +87,6 @@ def test_clone_readme_and_quickstart(tmp_path):
   assert [r["inputs"] for r in jsonl(predictions[0])] == ["sort: 5 3 9", "sort: 1 1 0 7"]
   # The clone is still clean apart from what the commands were meant to write.
   status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True,
-                          text=True, check=True).stdout.split("\n")
+                          text=True, check=True, timeout=120).stdout.split("\n")
   written = sorted(line[3:].rstrip("/") for line in status if line)
   assert written == [".venv", "inputs.txt"], written  # runs/ is ignored

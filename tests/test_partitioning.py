@@ -7,6 +7,7 @@ import textwrap
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
 
@@ -21,6 +22,24 @@ def test_standard_rules_t5x_semantics():
   assert rules["embed"] is None and rules["kv"] is None
   two = partitioning.standard_logical_axis_rules(2, 2)
   assert ("embed", "model") in two and ("embed", "data") in two
+
+
+def test_additional_rules_are_appended_as_in_t5x_and_override_rules_win():
+  # A T5X gin file's additional_rules go after the standard ones: a rule for
+  # an axis the standard rules cover never replaces theirs, one for a new
+  # axis takes effect.
+  extra = [("vocab", None), ("unmodeled", "model")]
+  presets = ((partitioning.standard_logical_axis_rules, None),
+             (partitioning.fsdp_logical_axis_rules, "fsdp"))
+  for make, embed in presets:
+    rules = make(additional_rules=extra)
+    assert rules[-2:] == extra and rules[:-2] == make()
+    p = partitioning.Partitioner(logical_axis_rules=rules)
+    assert p.logical_to_mesh_spec(("vocab", "embed")) == P("model", embed)
+    assert p.logical_to_mesh_spec(("unmodeled",)) == P("model")
+    # override_rules go first and win.
+    overridden = partitioning.Partitioner(logical_axis_rules=make(override_rules=extra))
+    assert overridden.logical_to_mesh_spec(("vocab", "mlp")) == P(None, "model")
 
 
 def test_bad_partitioning_dims():

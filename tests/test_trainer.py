@@ -91,7 +91,8 @@ def test_train_step_compiles_once(model_and_params):
   model, params = model_and_params
   p = partitioning.Partitioner()
   t = trainer.Trainer(model=model, partitioner=p)
-  state = TrainState.create(params, optimizers.adafactor(0.01))
+  # The step donates its state: copies keep the shared fixture's arrays alive.
+  state = TrainState.create(jax.tree.map(jnp.copy, params), optimizers.adafactor(0.01))
   import flax.linen as nn
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
@@ -105,3 +106,46 @@ def test_train_step_compiles_once(model_and_params):
     state, _ = step(state, jax.device_put(_batch(seed), batch_sh))
   assert int(state.step) == 3
   assert step.jitted._cache_size() == 1  # one compilation for three steps
+
+
+def test_eval_metrics_weigh_batches_by_tokens_not_one_vote_each(model_and_params):
+  from t5lite import metrics as metrics_lib
+  model, params = model_and_params
+  full = jax.tree.map(jnp.asarray, _batch(0))
+  # The second batch weighs a single token: averaged per batch it would count
+  # as much as the 40-odd tokens of the first.
+  sparse = dict(jax.tree.map(jnp.asarray, _batch(1)))
+  sparse["decoder_loss_weights"] = jnp.zeros((B, LT)).at[0, 0].set(1.0)
+  step = jax.jit(lambda p, b: trainer.eval_step(p, b, model=model))
+  merged = metrics_lib.merge_and_compute([step(params, full), step(params, sparse)])
+  sums = [jax.jit(model.loss_fn)(params, b, None)[1] for b in (full, sparse)]
+  total = lambda k: sum(float(s[k]) for s in sums)  # noqa: E731
+  tokens = total("weight_sum")
+  np.testing.assert_allclose(merged["loss"], (total("cross_ent_sum") + total("z_loss_sum"))
+                             / tokens, rtol=1e-6)
+  np.testing.assert_allclose(merged["cross_ent_loss"], total("cross_ent_sum") / tokens,
+                             rtol=1e-6)
+  np.testing.assert_allclose(merged["accuracy"], total("correct_sum") / tokens, rtol=1e-6)
+  assert merged["num_tokens"] == tokens
+  per_batch = [metrics_lib.merge_and_compute([step(params, b)])["loss"] for b in (full, sparse)]
+  assert abs(np.mean(per_batch) - merged["loss"]) > 0.05  # the old per-batch mean differs
+
+
+def test_a_batch_without_loss_weights_gives_no_nan(model_and_params):
+  from t5lite import metrics as metrics_lib
+  model, params = model_and_params
+  full = jax.tree.map(jnp.asarray, _batch(0))
+  empty = dict(full, decoder_loss_weights=jnp.zeros((B, LT)))
+  step = jax.jit(lambda p, b: trainer.eval_step(p, b, model=model))
+  alone = metrics_lib.merge_and_compute([step(params, empty)])
+  assert alone == {"loss": 0.0, "cross_ent_loss": 0.0, "z_loss": 0.0, "accuracy": 0.0,
+                   "num_tokens": 0.0}
+  # Merged with a real batch it adds nothing.
+  assert (metrics_lib.merge_and_compute([step(params, full), step(params, empty)])
+          == metrics_lib.merge_and_compute([step(params, full)]))
+  # The train step's per-step metrics are finite too.
+  state = TrainState.create(params, optimizers.adafactor(optimizers.constant(0.01)))
+  step = jax.jit(lambda s, b: trainer.train_step(s, b, model=model, dropout_seed=0,
+                                                 num_microbatches=None))
+  _, metrics = step(state, empty)
+  assert all(np.isfinite(float(v)) for v in metrics.values()), metrics

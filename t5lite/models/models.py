@@ -255,6 +255,34 @@ class BaseModel(abc.ABC):
       encoder_length = input_shapes["encoder_input_tokens"][1]
     return 3 * transformer.forward_flops(config, batch, decoder_length, encoder_length)["total"]
 
+  def validate_num_microbatches(self, num_microbatches: int | None) -> None:
+    """Checks that microbatches of a batch give the full batch's results.
+
+    The trainer's microbatch i takes examples i, i + n, i + 2n, ... MoE
+    layers with one routing group per example (`group_size=None`) route
+    every example alike in a microbatch and in the full batch, so the sums
+    match exactly (up to float reassociation). A `group_size` forms groups
+    of consecutive tokens that can span examples, which a microbatch would
+    regroup (other capacity, other dropped tokens, another loss), so that
+    combination is refused.
+
+    Args:
+      num_microbatches: the trainer's setting (None or 1: no microbatches).
+
+    Raises:
+      ValueError: an MoE network with `group_size` set and more than one
+        microbatch.
+    """
+    config = getattr(self.module, "config", None)
+    group_size = getattr(config, "group_size", None) if getattr(config, "num_experts", 0) else None
+    if (num_microbatches or 1) > 1 and group_size is not None:
+      raise ValueError(
+          f"MoE group_size={group_size} cannot be used with num_microbatches="
+          f"{num_microbatches}: microbatch i takes examples i, i + {num_microbatches}, "
+          f"i + {2 * num_microbatches}, ..., so routing groups that span examples would "
+          "differ from the full batch's. Set GROUP_SIZE=None (one group per example, which "
+          "microbatches keep) or num_microbatches=None.")
+
   def loss_normalizer(self, batch: Batch) -> Array:
     """The divisor of the summed loss for `batch`.
 

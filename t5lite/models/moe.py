@@ -113,6 +113,14 @@ def validate_expert_partitioning(num_experts: int, expert_axis_size: int) -> Non
         f"expert axis size in {divisors} (with the remaining devices on 'data').")
 
 
+def validate_load_balancing_choices(choices: str, owner: str) -> None:
+  """Raises a ValueError naming `owner` unless `choices` is 'all' or 'first'."""
+  if choices not in LOAD_BALANCING_CHOICES:
+    raise ValueError(f"{owner}.load_balancing_choices={choices!r} is not supported; use "
+                     "'all' (every chosen expert, as T5X and MaxText) or 'first' (each "
+                     "token's first choice, as GShard).")
+
+
 def expert_capacity(tokens_per_group: int, num_experts: int, num_selected_experts: int,
                     capacity_factor: float, min_expert_capacity: int) -> int:
   """Slots per expert per group.
@@ -180,24 +188,36 @@ def router_z_loss(router_logits: Array) -> Array:
   return jnp.mean(jnp.square(log_z))
 
 
-def load_balancing_loss(router_probs: Array, top1_expert_index: Array) -> Array:
-  """Switch/T5X load-balancing loss, averaged over groups.
+# Which of a token's k choices the load-balancing loss counts: every choice
+# (T5X/flaxformer and MaxText, the default) or the first only (GShard, and
+# the Switch Transformer's k=1 loss applied to top-k routing).
+LOAD_BALANCING_CHOICES = ("all", "first")
+
+
+def load_balancing_loss(router_probs: Array, expert_index: Array) -> Array:
+  """Load-balancing loss of the given choices, averaged over groups.
 
   Per group: `num_experts * sum_e f_e * P_e`, where `f_e` is the fraction of
-  the group's tokens whose top-1 choice is expert e and `P_e` the mean router
-  probability of e. It is 1 for a perfectly uniform router and grows as
-  routing concentrates on few experts.
+  the group's tokens that chose expert e among the choices in
+  `expert_index` and `P_e` the mean router probability of e. Passing every
+  token's k choices gives the T5X/flaxformer and MaxText loss (their
+  `num_experts**2 * mean(f * P)`); passing the first choice only
+  (`expert_index[..., :1]`) gives the GShard / Switch loss. A balanced
+  router (each expert chosen equally often, mean probability 1/E) gives the
+  number of choices counted: 1 for the first choice, k for all k.
 
   Args:
     router_probs: float32 `[groups, tokens, experts]`.
-    top1_expert_index: int `[groups, tokens]`.
+    expert_index: int `[groups, tokens, choices]`, distinct experts per token.
 
   Returns:
     float32 scalar.
   """
   num_experts = router_probs.shape[-1]
-  top1 = jax.nn.one_hot(top1_expert_index, num_experts, dtype=jnp.float32)
-  fraction_tokens = jnp.mean(top1, axis=1)  # [groups, experts]
+  # [groups, tokens, choices, experts] -> [groups, tokens, experts]: 1 where
+  # one of the token's counted choices is the expert.
+  chosen = jnp.sum(jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32), axis=-2)
+  fraction_tokens = jnp.mean(chosen, axis=1)  # [groups, experts]
   mean_probs = jnp.mean(router_probs, axis=1)  # [groups, experts]
   return jnp.mean(num_experts * jnp.sum(fraction_tokens * mean_probs, axis=-1))
 
@@ -217,6 +237,8 @@ class Routing:
       (`groups * experts * capacity`). 1.0 means every expert was full.
     router_confidence: scalar; mean over tokens of the summed router
       probabilities of the token's k chosen experts (kept or dropped).
+    expert_index: int `[groups, tokens, k]`; each token's chosen experts,
+      best first (kept or dropped).
   """
 
   dispatch: Array
@@ -224,6 +246,7 @@ class Routing:
   fraction_tokens_left_behind: Array
   expert_usage: Array
   router_confidence: Array
+  expert_index: Array
 
 
 def _top_k(probs: Array, k: int) -> tuple[Array, Array]:
@@ -333,7 +356,7 @@ def route_top_k(router_probs: Array, num_selected_experts: int, capacity: int,
       dispatch=dispatch, combine=combine,
       fraction_tokens_left_behind=jnp.mean(left_behind.astype(jnp.float32)),
       expert_usage=jnp.mean(jnp.sum(dispatch, axis=1)),
-      router_confidence=jnp.mean(jnp.sum(gates, axis=-1)))
+      router_confidence=jnp.mean(jnp.sum(gates, axis=-1)), expert_index=expert_index)
 
 
 def _to_experts(x: Array) -> Array:
@@ -363,8 +386,12 @@ def _expert_kernel_init() -> nn.initializers.Initializer:
 class MoeLayer(nn.Module):
   """Top-k routed Mixture-of-Experts feed-forward layer.
 
-  Parameters: `router/kernel [embed, experts]` with axes (EMBED, None) so it
-  stays replicated (it is tiny); one input kernel per activation,
+  Parameters: `router/kernel [embed, experts]` with axes (EMBED, None): the
+  experts dimension is never split, and the embed dimension follows the
+  rules like every other parameter's (replicated under
+  `standard_logical_axis_rules`, split over `fsdp` under
+  `fsdp_logical_axis_rules`, over `data` with parameter_partitioning_dims=2),
+  as flaxformer's router kernel does; one input kernel per activation,
   `[experts, embed, expert_mlp]` with axes (EXPERT, EMBED, EXPERT_MLP), named
   `wi` alone or `wi_0`, `wi_1`, ... (see `layers.mlp_input_names`); and `wo`
   `[experts, expert_mlp, embed]` with axes (EXPERT, EXPERT_MLP, EMBED). Each
@@ -399,6 +426,10 @@ class MoeLayer(nn.Module):
     renormalize_router_weights: weight the chosen experts' outputs by their
       router probabilities divided by the sum over the k choices, instead of
       by the raw probabilities (T5X and Switch).
+    load_balancing_choices: which choices the load-balancing loss counts:
+      'all' k of them (T5X/flaxformer and MaxText; a balanced router gives
+      k) or 'first' only (GShard; a balanced router gives 1). The two agree
+      for k=1. See `load_balancing_loss`.
   """
 
   num_experts: int
@@ -415,6 +446,7 @@ class MoeLayer(nn.Module):
   activations: tuple[str, ...] = ("gelu", "linear")
   expert_capacity: int | None = None
   renormalize_router_weights: bool = False
+  load_balancing_choices: str = "all"
 
   def _validate(self) -> None:
     if self.num_experts < 1:
@@ -427,6 +459,7 @@ class MoeLayer(nn.Module):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"MoeLayer.{name} must be >= 1 or None, got {getattr(self, name)}.")
     layers.validate_mlp_activations(self.activations, "MoeLayer.activations")
+    validate_load_balancing_choices(self.load_balancing_choices, "MoeLayer")
     if not 0.0 <= self.router_jitter_noise < 1.0:
       raise ValueError("MoeLayer.router_jitter_noise must be in [0, 1), got "
                        f"{self.router_jitter_noise}.")
@@ -498,9 +531,11 @@ class MoeLayer(nn.Module):
                                dtype=jnp.float32, name="router")(inputs)
 
   def _sow_metrics(self, router_logits: Array, router_probs: Array, routing: Routing) -> None:
-    top1 = jnp.argmax(router_probs, axis=-1)  # [groups, tokens]
+    counted = routing.expert_index  # [groups, tokens, k]
+    if self.load_balancing_choices == "first":
+      counted = counted[..., :1]
     values = {
-        AUXILIARY_LOSS: load_balancing_loss(router_probs, top1),
+        AUXILIARY_LOSS: load_balancing_loss(router_probs, counted),
         ROUTER_Z_LOSS: router_z_loss(router_logits),
         FRACTION_TOKENS_LEFT_BEHIND: routing.fraction_tokens_left_behind,
         EXPERT_USAGE: routing.expert_usage,

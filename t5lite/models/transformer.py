@@ -145,6 +145,10 @@ class TransformerConfig:
       router probability divided by the sum over the k chosen experts (top-1
       then gets weight 1.0). False (the default, T5X and Switch) uses the raw
       softmax probability: top-1 output is `p * expert(x)`.
+    load_balancing_choices: which of a token's k choices the MoE
+      load-balancing loss counts: 'all' (the default, T5X/flaxformer and
+      MaxText; a balanced router gives k) or 'first' (GShard; a balanced
+      router gives 1). See `moe.load_balancing_loss`.
     remat_policy: what each layer keeps for the backward pass: 'none' keeps
       every activation, 'full' only the layer's inputs and recomputes the
       rest, 'dots_saveable' keeps the matmul outputs and recomputes the
@@ -184,6 +188,7 @@ class TransformerConfig:
   batch_prioritized_routing: bool = False
   expert_capacity: int | None = None
   renormalize_router_weights: bool = False
+  load_balancing_choices: str = "all"
   remat_policy: str = "none"
   attention_impl: str = "dot_product_attention"
 
@@ -235,6 +240,7 @@ class TransformerConfig:
     if not 0.0 <= self.router_jitter_noise < 1.0:
       raise ValueError("TransformerConfig.router_jitter_noise must be in [0, 1), got "
                        f"{self.router_jitter_noise}.")
+    moe.validate_load_balancing_choices(self.load_balancing_choices, "TransformerConfig")
     depths = {"num_encoder_layers": self.num_encoder_layers,
               "num_decoder_layers": self.num_decoder_layers}
     for name, depth in depths.items():
@@ -277,7 +283,8 @@ def _moe(cfg: TransformerConfig) -> moe.MoeLayer:
       batch_prioritized_routing=cfg.batch_prioritized_routing, dtype=cfg.compute_dtype,
       dropout_rate=cfg.dropout_rate, activations=cfg.mlp_activations,
       expert_capacity=cfg.expert_capacity,
-      renormalize_router_weights=cfg.renormalize_router_weights, name="moe")
+      renormalize_router_weights=cfg.renormalize_router_weights,
+      load_balancing_choices=cfg.load_balancing_choices, name="moe")
 
 
 def _relpos_bias(cfg: TransformerConfig, in_layer: bool, q_length: int, bidirectional: bool,
