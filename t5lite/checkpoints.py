@@ -49,7 +49,8 @@ def _reason(error: BaseException) -> str:
   """The first line of an error, for a one-line message."""
   lines = str(error).strip().splitlines()
   text = " ".join(lines[0].split()) if lines else type(error).__name__
-  return text if len(text) <= 400 else text[:400] + "..."
+  # TensorStore puts the OS's reason ("No space left on device") last.
+  return text if len(text) <= 400 else f"{text[:240]} ... {text[-150:]}"
 
 
 @dataclasses.dataclass
