@@ -585,11 +585,19 @@ def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> t
 
   Returns:
     (state_dict, step).
+
+  Raises:
+    CheckpointReadError: the step cannot be read (the message names it).
+    CheckpointMismatchError: it belongs to another model.
   """
   directory, step = resolve_restore_path(config)
   manager = _manager(directory, read_only=True)
   try:
     return _restore(manager, step, abstract_state)[0], step
+  except CheckpointReadError as e:
+    steps = sorted(manager.all_steps())
+    raise CheckpointReadError(f"{e}. Use another step (steps in {directory}: {steps}), or "
+                              "replace this one from a copy.") from e
   finally:
     manager.close()
 

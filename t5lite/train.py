@@ -919,31 +919,33 @@ def _progress(model: Any, data: TrainData, start: int, end: int,
                                   per_device=peak_flops_per_device))
 
 
-def _close(loop: _Loop, failing: bool = False) -> None:
+def _close(loop: _Loop, failing: BaseException | None = None) -> None:
   """Flushes every writer and waits for the checkpoint write in flight.
 
   Args:
     loop: the loop's pieces.
-    failing: an error is already on its way out; a failed write found here
-      is logged, not raised, so that error is the one reported.
+    failing: the error already on its way out, if any; a failed write found
+      here is then logged, not raised, so that error is the one reported;
+      but a preemption promises its checkpoint, so its failure is raised.
 
   Raises:
-    checkpoints.CheckpointWriteError: the last write failed (unless failing).
+    checkpoints.CheckpointWriteError: the last write failed.
   """
   try:
     loop.data.stop_prefetch()
   finally:
-    loop.writer.close()
-    for evaluator in (loop.evaluator, loop.infer_evaluator):
-      if evaluator:
-        evaluator.close()
     try:
       loop.checkpointer.wait_until_finished()
       loop.checkpointer.close()
     except ckpt_lib.CheckpointWriteError as e:
-      if not failing:
+      if failing is None or isinstance(failing, Preempted):
         raise
       metrics_lib.log_line(f"Warning: {e}")
+    finally:
+      loop.writer.close()
+      for evaluator in (loop.evaluator, loop.infer_evaluator):
+        if evaluator:
+          evaluator.close()
 
 
 def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
@@ -992,8 +994,8 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
         state, end, _ = _stop(loop, start, state, stop)
       else:
         state, end, _ = run_epochs(loop, state, start)
-  except BaseException:
-    _close(loop, failing=True)
+  except BaseException as error:
+    _close(loop, failing=error)
     raise
   else:
     _close(loop)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_cli import JAX_CACHE, TINY, run_cli
+from test_cli import TINY, run_cli
 
 from t5lite import checkpoints, cli, dry_run
 
@@ -133,7 +133,8 @@ def _no_metadata(step_dir):
 def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(tmp_path):
   model_dir = tmp_path / "run"
   ckpts = model_dir / "checkpoints"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+          "--gin.CHECKPOINTS_TO_KEEP=None"]
   first = run_cli([*base, "--gin.TRAIN_STEPS=8"], cwd=str(tmp_path))
   assert first.returncode == 0, first.stderr[-3000:]
   _garbage(ckpts / "8")
@@ -143,9 +144,10 @@ def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(tmp_path):
 
   again = run_cli([*base, "--gin.TRAIN_STEPS=10"], cwd=str(tmp_path))
   assert again.returncode == 0, again.stderr[-3000:]
-  for bad in (8, 6, 4):
-    assert (f"Warning: Checkpoint {ckpts}/{bad} is unreadable" in again.stdout
-            and f"falling back to step 2." in again.stdout), again.stdout
+  for bad in (8, 6, 4):  # one warning each, naming the damaged step and the one restored
+    line = next(x for x in again.stdout.splitlines()
+                if x.startswith(f"Warning: Checkpoint {ckpts}/{bad} is unreadable"))
+    assert "falling back to step 2." in line, line
   assert "does not match" not in again.stdout + again.stderr
   assert "steps 2 -> 10;" in again.stdout and "step 10/10" in again.stdout
   # Nothing deleted: the damaged steps are kept, byte for byte, out of the way.
@@ -183,6 +185,17 @@ def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(tm
   assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
   assert "(so are steps [2])" in last and "Move the damaged step directories out of" in last
   assert _files(model_dir) == before
+  # Inference names the damaged checkpoint too, instead of a model mismatch.
+  (tmp_path / "in.txt").write_text("hello\n")
+  infer = run_cli(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/infer.gin",
+                   "--gin_file=gin/testing/local_tiny.gin", f"--gin.CHECKPOINT_PATH='{model_dir}'",
+                   f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
+                   f"--gin.INPUT_FILE='{tmp_path / 'in.txt'}'"],
+                  cwd=str(tmp_path), script="t5lite-infer")
+  assert infer.returncode == 2, infer.stderr[-3000:]
+  last = infer.stderr.strip().splitlines()[-1]
+  assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
+  assert "Use another step (steps in" in last
 
 
 # ---------------------------------------------------------------------------
