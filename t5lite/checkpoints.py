@@ -314,6 +314,12 @@ def _cast_params(state_dict: Any, dtype: str | None) -> Any:
   return {**state_dict, "params": cast}
 
 
+def _sync_processes(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
   """What `Checkpointer.restore_newest` restored.
@@ -360,6 +366,8 @@ class Checkpointer:
       raise self._failed
     try:
       return write()
+    except jax.errors.JaxRuntimeError:
+      raise  # a lost peer or failed device: the disk is not to blame
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore fail in many types
       what = f"checkpoint step {step}" if step is not None else "checkpoints"
       self._failed = CheckpointWriteError(
@@ -459,6 +467,7 @@ class Checkpointer:
       The directory they are in now.
     """
     target = os.path.join(self.model_dir, subdir)
+    _sync_processes("t5lite_before_set_aside")  # every process has read the listing
     if jax.process_index() == 0:
       os.makedirs(target, exist_ok=True)
       for step in steps:
@@ -466,9 +475,7 @@ class Checkpointer:
         while os.path.exists(dest):  # an earlier step of the same number is kept too
           dest, k = os.path.join(target, f"{step}.{k}"), k + 1
         os.rename(os.path.join(self.directory, str(step)), dest)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices("t5lite_checkpoints_set_aside")
+    _sync_processes("t5lite_after_set_aside")
     self._manager.reload()
     return target
 

@@ -77,6 +77,9 @@ _GIN_FLAG = re.compile(r"^--gin\.([^=]+)=(.*)$", re.DOTALL)
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
   """Turns each `--gin.NAME=VALUE` into `--gin_bindings=NAME = VALUE`.
 
+  `--gin.train.X=Y` names an argument of `train()` the way messages and docs
+  do (e.g. `--gin.train.resume_step=N`); it binds `train_lib.train.X`.
+
   Args:
     argv: the raw command line.
 
@@ -87,7 +90,13 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
   out = []
   for arg in argv:
     match = _GIN_FLAG.match(arg)
-    out.append(f"--gin_bindings={match.group(1)} = {match.group(2)}" if match else arg)
+    if match is None:
+      out.append(arg)
+      continue
+    name = match.group(1)
+    if name.startswith("train.") and name.count(".") == 1:
+      name = f"train_lib.{name}"
+    out.append(f"--gin_bindings={name} = {match.group(2)}")
   return out
 
 

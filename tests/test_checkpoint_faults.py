@@ -230,3 +230,11 @@ def test_dry_run_reports_resume_step(tmp_path):
   start, how = dry_run._start(str(tmp_path), None, resume_step=2)
   assert start == 2 and "train.resume_step" in how and "[4, 6]" in how
   assert dry_run._start(str(tmp_path), None)[0] == 6
+
+
+def test_gin_train_shorthand_binds_train_arguments():
+  argv = cli.rewrite_gin_args(["t5lite-train", "--gin.train.resume_step=4",
+                               "--gin.train_lib.train.random_seed=1", "--gin.MODEL_DIR='x'"])
+  assert argv[1:] == ["--gin_bindings=train_lib.train.resume_step = 4",
+                      "--gin_bindings=train_lib.train.random_seed = 1",
+                      "--gin_bindings=MODEL_DIR = 'x'"]
