@@ -58,6 +58,18 @@ def test_failed_checkpoint_write_exits_5_promptly_with_one_line(tmp_path, cause)
   assert time.monotonic() - began < 200
 
 
+def test_error_exit_does_not_wait_for_a_stuck_thread(tmp_path):
+  # What Orbax's commit threads do after a failed write: wait for a signal
+  # that never comes. Python would join them at exit, forever.
+  script = ("import threading\nfrom t5lite import cli\n"
+            "threading.Thread(target=threading.Event().wait, name='stuck').start()\n"
+            "cli._stop(5, 'CheckpointWriteError: reason')\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+  assert out.returncode == 5
+  assert out.stderr.strip().splitlines()[-1] == "t5lite: CheckpointWriteError: reason"
+
+
 def test_write_error_is_exit_status_5_and_input_errors_stay_2():
   assert issubclass(checkpoints.CheckpointWriteError, OSError)
   assert not issubclass(checkpoints.CheckpointWriteError, (ValueError, FileNotFoundError))
