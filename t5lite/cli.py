@@ -446,7 +446,7 @@ def _quiet_libraries(argv: Sequence[str]) -> None:
   # are what a person reads. --verbosity=0 brings the library logs back, and
   # the native start-up output of TensorFlow and XLA with them.
   global _LIBRARY_LOGS
-  _LIBRARY_LOGS = any(a.startswith(("--verbosity", "-v=", "-v ")) for a in argv)
+  _LIBRARY_LOGS = any(a == "-v" or a.startswith(("--verbosity", "-v=")) for a in argv)
   if not _LIBRARY_LOGS:
     from absl import logging
     logging.set_verbosity(logging.WARNING)
