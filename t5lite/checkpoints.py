@@ -25,6 +25,32 @@ from etils import epath
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
 _DATASET = "dataset"
+# Siblings of CHECKPOINTS_SUBDIR that hold steps moved out of the restore
+# order: never deleted, never restored, and no longer in the way of a new
+# save at the same step.
+UNREADABLE_SUBDIR = "checkpoints-unreadable"
+ABANDONED_SUBDIR = "checkpoints-abandoned-after-{step}"
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written: full or read-only disk, a vanished
+  checkpoints directory, or a file where it should be."""
+
+
+class CheckpointReadError(ValueError):
+  """A checkpoint step exists but cannot be read (damaged or incomplete files)."""
+
+
+class CheckpointMismatchError(ValueError):
+  """A readable checkpoint whose arrays do not fit this model and optimizer."""
+
+
+def _reason(error: BaseException) -> str:
+  """The first line of an error, for a one-line message."""
+  lines = str(error).strip().splitlines()
+  text = " ".join(lines[0].split()) if lines else type(error).__name__
+  # TensorStore puts the OS's reason ("No space left on device") last.
+  return text if len(text) <= 400 else f"{text[:240]} ... {text[-150:]}"
 
 
 @dataclasses.dataclass
@@ -196,14 +222,33 @@ def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
   return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
+def _saved_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
+  """The array shapes a checkpoint step records.
+
+  Raises:
+    CheckpointReadError: its metadata cannot be read or lists no arrays
+      (damaged or missing files; Orbax then reports an empty tree).
+  """
+  try:
+    metadata = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, _ITEM)).item_metadata
+    saved = _shapes_by_path(metadata) if metadata is not None else {}
+  except Exception as e:  # noqa: BLE001 - whatever the damage, the step is unreadable
+    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_reason(e)}") from e
+  if not saved:
+    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: its metadata lists no "
+                              "arrays (damaged or missing files)")
+  return saved
+
+
 def check_matches(step_dir: str, abstract_state: Any) -> None:
   """Compares a checkpoint's array shapes with the model's before restoring.
 
   Raises:
-    ValueError: naming up to five mismatched, missing or unexpected variables.
+    CheckpointReadError: the checkpoint's metadata cannot be read.
+    CheckpointMismatchError: naming up to five mismatched, missing or
+      unexpected variables.
   """
-  metadata = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, _ITEM)).item_metadata
-  saved, wanted = _shapes_by_path(metadata), _shapes_by_path(abstract_state)
+  saved, wanted = _saved_shapes(step_dir), _shapes_by_path(abstract_state)
   # Parameters first: they are what a user recognises.
   order = lambda paths: sorted(paths, key=lambda p: (not p.startswith("params/"), p))  # noqa: E731
   problems = [f"{p} is {saved[p]} in the checkpoint but {wanted[p]} in the model"
@@ -213,7 +258,7 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
                for p in order(set(saved) - set(wanted))]
   if problems:
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    raise ValueError(
+    raise CheckpointMismatchError(
         f"Checkpoint {step_dir} does not match this model and optimizer: "
         + "; ".join(problems[:5]) + more
         + ". Use the configuration it was trained with, or a new MODEL_DIR.")
@@ -238,13 +283,29 @@ def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
 
 def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
              dataset_iterator: Any = None) -> tuple[Any, bool]:
-  """Restores the state and, when saved and asked for, the data iterator."""
-  check_matches(os.path.join(str(manager.directory), str(step)), abstract_state)
-  items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
-  with_data = dataset_iterator is not None and _has_dataset(manager, step)
-  if with_data:
-    items[_DATASET] = DatasetIteratorArgs(dataset_iterator)
-  return manager.restore(step, args=ocp.args.Composite(**items))[_ITEM], with_data
+  """Restores the state and, when saved and asked for, the data iterator.
+
+  The state is read first and the iterator only once the state restored, so
+  a damaged step never moves the iterator.
+
+  Raises:
+    CheckpointReadError: the step's files cannot be read.
+    CheckpointMismatchError: the step belongs to another model.
+  """
+  step_dir = os.path.join(str(manager.directory), str(step))
+  check_matches(step_dir, abstract_state)
+  try:
+    state = manager.restore(step, args=ocp.args.Composite(
+        **{_ITEM: ocp.args.StandardRestore(abstract_state)}))[_ITEM]
+    with_data = dataset_iterator is not None and _has_dataset(manager, step)
+    if with_data:
+      manager.restore(step, args=ocp.args.Composite(
+          **{_DATASET: DatasetIteratorArgs(dataset_iterator)}))
+  except jax.errors.JaxRuntimeError:
+    raise  # the devices failed (out of memory, a lost peer), not the files
+  except Exception as e:  # noqa: BLE001 - damaged files fail in many ways
+    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_reason(e)}") from e
+  return state, with_data
 
 
 def _cast_params(state_dict: Any, dtype: str | None) -> Any:
@@ -255,8 +316,37 @@ def _cast_params(state_dict: Any, dtype: str | None) -> Any:
   return {**state_dict, "params": cast}
 
 
+def _sync_processes(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What `Checkpointer.restore_newest` restored.
+
+  Attributes:
+    state: the restored state dict.
+    step: its step.
+    with_data: whether the data iterator was restored in place.
+    unreadable: newer steps that could not be read (still on disk).
+    warnings: one line for each of them, naming it and `step`.
+  """
+
+  state: Any
+  step: int
+  with_data: bool
+  unreadable: tuple[int, ...]
+  warnings: tuple[str, ...]
+
+
 class Checkpointer:
   """Saves and restores the train state of one model_dir.
+
+  A failed write raises `CheckpointWriteError` from the call that notices it
+  (the next `save`, or `wait_until_finished`); after that the checkpointer
+  stops waiting on Orbax, whose commit threads may never finish.
 
   Args:
     model_dir: the run's directory; checkpoints go to `model_dir/checkpoints`.
@@ -265,9 +355,28 @@ class Checkpointer:
 
   def __init__(self, model_dir: str, save_config: SaveCheckpointConfig | None):
     # Orbax's array store needs absolute paths; users pass relative ones.
-    self.directory = os.path.join(os.path.abspath(model_dir), CHECKPOINTS_SUBDIR)
+    self.model_dir = os.path.abspath(model_dir)
+    self.directory = os.path.join(self.model_dir, CHECKPOINTS_SUBDIR)
     self._save_config = save_config
-    self._manager = _manager(self.directory, save_config)
+    self._in_flight: int | None = None  # the step of the save Orbax may still be writing
+    self._failed: CheckpointWriteError | None = None
+    self._manager = self._writing(None, lambda: _manager(self.directory, save_config))
+
+  def _writing(self, step: int | None, write: Any) -> Any:
+    """Runs `write`, turning any failure into a one-line CheckpointWriteError."""
+    if self._failed is not None:
+      raise self._failed
+    try:
+      return write()
+    except jax.errors.JaxRuntimeError:
+      raise  # a lost peer or failed device: the disk is not to blame
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore fail in many types
+      what = f"checkpoint step {step}" if step is not None else "checkpoints"
+      self._failed = CheckpointWriteError(
+          f"Could not write {what} to {self.directory}: {_reason(e)}. Free disk space or make "
+          "the directory writable (a file in its place must go), then rerun the same command; "
+          "it resumes from the newest complete checkpoint.")
+      raise self._failed from e
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -293,14 +402,22 @@ class Checkpointer:
 
     Returns:
       False when a checkpoint for `step` already exists (nothing is written).
+
+    Raises:
+      CheckpointWriteError: this save, or the one before it, failed.
     """
+    if self._failed is not None:
+      raise self._failed
+    self.wait_until_finished()  # Orbax waits for the previous save anyway; name its step
     if step in self._manager.all_steps():
       return False
     dtype = self._save_config.dtype if self._save_config else None
     items = {_ITEM: ocp.args.StandardSave(_cast_params(state_dict, dtype))}
     if dataset_iterator is not None and self._save_config and self._save_config.save_dataset:
       items[_DATASET] = DatasetIteratorArgs(dataset_iterator)
-    return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+    self._in_flight = step
+    return bool(self._writing(step, lambda: self._manager.save(
+        step, args=ocp.args.Composite(**items), force=True)))
 
   def restore(self, step: int, abstract_state: Any, dataset_iterator: Any = None
               ) -> tuple[Any, bool]:
@@ -308,14 +425,77 @@ class Checkpointer:
 
     Returns:
       (state_dict, whether `dataset_iterator` was restored in place).
+
+    Raises:
+      CheckpointReadError: the step's files cannot be read.
+      CheckpointMismatchError: the step belongs to another model.
     """
     return _restore(self._manager, step, abstract_state, dataset_iterator)
 
+  def restore_newest(self, steps: Sequence[int], abstract_state: Any,
+                     dataset_iterator: Any = None) -> Restored:
+    """Restores the newest of `steps` that reads cleanly.
+
+    Raises:
+      CheckpointReadError: none of `steps` can be read (the message names the
+        newest; nothing is moved or deleted).
+      CheckpointMismatchError: a readable step belongs to another model.
+    """
+    order = sorted(steps, reverse=True)
+    failures: list[CheckpointReadError] = []
+    for step in order:
+      try:
+        state, with_data = self.restore(step, abstract_state, dataset_iterator)
+      except CheckpointReadError as e:
+        failures.append(e)
+        continue
+      warnings = tuple(
+          f"Warning: {e}; falling back to step {step}. Nothing is deleted: step {bad} moves "
+          f"to MODEL_DIR/{UNREADABLE_SUBDIR}/." for bad, e in zip(order, failures))
+      return Restored(state, step, with_data, tuple(order[:len(failures)]), warnings)
+    others = f" (so are steps {order[1:]})" if len(order) > 1 else ""
+    raise CheckpointReadError(
+        f"{failures[0]}{others}. No checkpoint in MODEL_DIR restores; nothing was changed. "
+        f"Move the damaged step directories out of {self.directory} to start from scratch, or "
+        "use another MODEL_DIR.")
+
+  def set_aside(self, steps: Sequence[int], subdir: str) -> str:
+    """Moves step directories out of the restore order, into `model_dir/subdir`.
+
+    They are kept as they are (nothing is deleted), are never restored, and
+    no longer block a new save at the same step.
+
+    Returns:
+      The directory they are in now.
+    """
+    target = os.path.join(self.model_dir, subdir)
+    _sync_processes("t5lite_before_set_aside")  # every process has read the listing
+    if jax.process_index() == 0:
+      os.makedirs(target, exist_ok=True)
+      for step in steps:
+        dest, k = os.path.join(target, str(step)), 1
+        while os.path.exists(dest):  # an earlier step of the same number is kept too
+          dest, k = os.path.join(target, f"{step}.{k}"), k + 1
+        os.rename(os.path.join(self.directory, str(step)), dest)
+    _sync_processes("t5lite_after_set_aside")
+    self._manager.reload()
+    return target
+
   def wait_until_finished(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the save in flight; returns at once once a write has failed
+    (that failure was raised already, and Orbax's threads may never finish).
+
+    Raises:
+      CheckpointWriteError: it failed.
+    """
+    if self._failed is None:
+      self._writing(self._in_flight, self._manager.wait_until_finished)
+      self._in_flight = None
 
   def close(self) -> None:
-    self._manager.close()
+    """Finishes the save in flight and releases Orbax; a no-op after a failed write."""
+    if self._failed is None:
+      self._writing(self._in_flight, self._manager.close)
 
 
 def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
@@ -358,16 +538,75 @@ def list_steps(path: str) -> tuple[str, list[int]]:
     manager.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+  """Which of MODEL_DIR's own checkpoints a run restores.
+
+  Attributes:
+    candidates: steps to restore, newest first wins (`restore_newest`);
+      empty when MODEL_DIR has none.
+    set_aside: steps newer than `train.resume_step`, moved to `aside_subdir`
+      once that step restored.
+    aside_subdir: where they go, relative to MODEL_DIR; created even when
+      nothing is newer, as the record that `resume_step` was applied.
+    note: a line for the log, or ''.
+  """
+
+  candidates: tuple[int, ...]
+  set_aside: tuple[int, ...] = ()
+  aside_subdir: str = ""
+  note: str = ""
+
+
+def plan_resume(model_dir: str, resume_step: int | None) -> ResumePlan:
+  """Decides where a run in `model_dir` resumes; reads directory listings only.
+
+  Args:
+    model_dir: the run's MODEL_DIR.
+    resume_step: `train.resume_step`: restore this step instead of the
+      newest, and set the newer ones aside (kept, never restored again). A
+      rerun of the same command (after a preemption, say) finds them already
+      set aside and resumes from its own newest checkpoint instead.
+
+  Raises:
+    ValueError: `resume_step` is not one of MODEL_DIR's checkpoint steps.
+  """
+  directory = os.path.join(os.path.abspath(model_dir), CHECKPOINTS_SUBDIR)
+  steps = list_steps(directory)[1] if os.path.isdir(directory) else []
+  if resume_step is None:
+    return ResumePlan(tuple(steps))
+  subdir = ABANDONED_SUBDIR.format(step=resume_step)
+  if os.path.isdir(os.path.join(model_dir, subdir)):
+    return ResumePlan(tuple(steps), note=(
+        f"train.resume_step={resume_step} was applied by an earlier run (the steps after it "
+        f"are in MODEL_DIR/{subdir}); resuming from the newest checkpoint. To go back to step "
+        f"{resume_step} again, rename that directory first."))
+  if isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step not in steps:
+    raise ValueError(
+        f"train.resume_step={resume_step!r} is not a checkpoint in {directory}; available "
+        f"steps: {steps if steps else 'none'}. Pass one of them, or drop train.resume_step.")
+  newer = tuple(s for s in steps if s > resume_step)
+  return ResumePlan((resume_step,), newer, subdir)
+
+
 def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> tuple[Any, int]:
   """Restores the state named by an explicit restore config.
 
   Returns:
     (state_dict, step).
+
+  Raises:
+    CheckpointReadError: the step cannot be read (the message names it).
+    CheckpointMismatchError: it belongs to another model.
   """
   directory, step = resolve_restore_path(config)
   manager = _manager(directory, read_only=True)
   try:
     return _restore(manager, step, abstract_state)[0], step
+  except CheckpointReadError as e:
+    steps = sorted(manager.all_steps())
+    raise CheckpointReadError(f"{e}. Use another step (steps in {directory}: {steps}), or "
+                              "replace this one from a copy.") from e
   finally:
     manager.close()
 

@@ -9,14 +9,17 @@ from anywhere. This is the only module that imports gin.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
 import os
 import re
 import sys
+import tempfile
+import threading
 import tokenize
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from absl import app, flags
 
@@ -48,6 +51,10 @@ flags.DEFINE_integer("heartbeat_timeout", 100,
                      "processes then stop, naming it.")
 
 USER_ERROR_EXIT = 2
+# A write failed: full or read-only disk, a vanished directory (README, exit status).
+IO_ERROR_EXIT = 5
+# Whether --verbosity asked for the libraries' own logs, native ones included.
+_LIBRARY_LOGS = False
 # Command-line bindings get the imports the shipped gin files use, so
 # `--gin.VOCABULARY=@vocabularies.sentencepiece_vocabulary()` works even when
 # no file referenced that function.
@@ -71,6 +78,9 @@ _GIN_FLAG = re.compile(r"^--gin\.([^=]+)=(.*)$", re.DOTALL)
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
   """Turns each `--gin.NAME=VALUE` into `--gin_bindings=NAME = VALUE`.
 
+  `--gin.train.X=Y` names an argument of `train()` the way messages and docs
+  do (e.g. `--gin.train.resume_step=N`); it binds `train_lib.train.X`.
+
   Args:
     argv: the raw command line.
 
@@ -81,7 +91,13 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
   out = []
   for arg in argv:
     match = _GIN_FLAG.match(arg)
-    out.append(f"--gin_bindings={match.group(1)} = {match.group(2)}" if match else arg)
+    if match is None:
+      out.append(arg)
+      continue
+    name = match.group(1)
+    if name.startswith("train.") and name.count(".") == 1:
+      name = f"train_lib.{name}"
+    out.append(f"--gin_bindings={name} = {match.group(2)}")
   return out
 
 
@@ -354,8 +370,38 @@ def write_operative_config(model_dir: str) -> None:
 
 def _hide_gpus_from_tensorflow() -> None:
   # TensorFlow only feeds data; left alone it would grab GPU memory JAX needs.
-  import tensorflow as tf
-  tf.config.set_visible_devices([], "GPU")
+  with _native_start_up_logs_hidden():
+    import tensorflow as tf
+    tf.config.set_visible_devices([], "GPU")
+
+
+@contextlib.contextmanager
+def _native_start_up_logs_hidden() -> Iterator[None]:
+  """Keeps what C++ libraries print to stderr while they load off the console.
+
+  TensorFlow's C++ logging writes before anything can configure it (CUDA
+  probes, `cuInit` errors on machines without a GPU for it, CPU feature
+  notes), whatever TF_CPP_MIN_LOG_LEVEL says. Only file descriptor 2 can
+  catch it. What was caught is printed after all if loading fails, and
+  always with --verbosity.
+  """
+  if _LIBRARY_LOGS:
+    yield
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as caught:
+    os.dup2(caught.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      os.dup2(saved, 2)
+      caught.seek(0)
+      sys.stderr.write(caught.read().decode(errors="replace"))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
 
 
 def _allow_user_modules_from_cwd() -> None:
@@ -437,6 +483,8 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     _stop(USER_ERROR_EXIT, one_line(error))
   except _training_stopped() as stop:
     _stop(stop.exit_code, one_line(stop))
+  except OSError as error:  # a failed write or read of the disk, not the input
+    _stop(IO_ERROR_EXIT, one_line(error))
   except Exception as error:
     import traceback
     traceback.print_exc()
@@ -451,6 +499,23 @@ def _stop(exit_code: int, line: str) -> None:
   from t5lite import distributed
   print(f"t5lite: {line}", file=sys.stderr, flush=True)
   distributed.report_failure(exit_code, line)
+  _exit(exit_code)
+
+
+def _exit(exit_code: int) -> None:
+  """sys.exit, unless a thread would keep the interpreter from ending.
+
+  Python joins every non-daemon thread before it exits. After a failed
+  checkpoint write, Orbax's commit threads wait for signals that never come,
+  so a plain sys.exit would hang after the error line; the reason is printed
+  and nothing is left to flush, so the process ends at once instead.
+  """
+  waiting = [t for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+  if waiting:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
   sys.exit(exit_code)
 
 
@@ -480,14 +545,24 @@ _NOISY_LIBRARIES = (f"{os.sep}seqio{os.sep}", f"{os.sep}orbax{os.sep}")
 
 def _drop_library_warnings(record) -> bool:
   import logging as std_logging
-  return record.levelno >= std_logging.ERROR or not any(
-      part in record.pathname for part in _NOISY_LIBRARIES)
+  if not any(part in record.pathname for part in _NOISY_LIBRARIES):
+    return True
+  if record.levelno < std_logging.ERROR:
+    return False
+  # A failed checkpoint write reaches the user once, as the run's last line;
+  # Orbax's reports of it from each background thread keep their first line
+  # and lose the thread's traceback.
+  record.exc_info, record.exc_text, record.stack_info = None, None, None
+  return True
 
 
 def _quiet_libraries(argv: Sequence[str]) -> None:
   # Orbax and TensorFlow log every file they touch at INFO; the progress lines
-  # are what a person reads. --verbosity=0 brings the library logs back.
-  if not any(a.startswith(("--verbosity", "-v=")) for a in argv):
+  # are what a person reads. --verbosity=0 brings the library logs back, and
+  # the native start-up output of TensorFlow and XLA with them.
+  global _LIBRARY_LOGS
+  _LIBRARY_LOGS = any(a == "-v" or a.startswith(("--verbosity", "-v=")) for a in argv)
+  if not _LIBRARY_LOGS:
     from absl import logging
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_handler().addFilter(_drop_library_warnings)

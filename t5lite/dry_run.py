@@ -135,7 +135,7 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
              actions: Mapping[str, Any] | None, run_eval_before_training: bool,
              gc_period: int, peak_flops_per_device: float | None,
              max_update_ratio: float | None, loss_spike_factor: float | None,
-             loss_spike_window: int, **unused: Any) -> Report:
+             loss_spike_window: int, resume_step: int | None = None, **unused: Any) -> Report:
   """The dry run's findings for `train()`'s arguments (see `run`)."""
   del unused  # loop options (prefetching, config summary) change nothing here
   train_lib.DivergenceLimits(max_update_ratio=max_update_ratio,
@@ -175,7 +175,7 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
       schedule=schedule(periods=periods, model_dir=model_dir, checkpoint_cfg=checkpoint_cfg,
                         total_steps=total_steps, relative_steps=relative_steps,
                         evaluators=evaluators,
-                        eval_at_start=run_eval_before_training))
+                        eval_at_start=run_eval_before_training, resume_step=resume_step))
 
 
 # ---------------------------------------------------------------------------
@@ -340,13 +340,17 @@ def _dataset(cfg: DatasetConfig) -> str:
           f"{', shuffled' if cfg.shuffle else ''}), lengths {lengths}")
 
 
-def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None) -> tuple[int, str]:
+def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None,
+           resume_step: int | None = None) -> tuple[int, str]:
   """The step a run starts at, found the way `train.init_or_restore` does,
   reading checkpoints without creating any directory."""
-  existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
-  steps = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
-  if steps:
-    return steps[-1], f"resumes from checkpoint {steps[-1]} in MODEL_DIR"
+  plan = ckpt_lib.plan_resume(model_dir, resume_step)
+  if plan.candidates:
+    step = max(plan.candidates)
+    if not plan.aside_subdir:
+      return step, f"resumes from checkpoint {step} in MODEL_DIR"
+    return step, (f"resumes from checkpoint {step} in MODEL_DIR, train.resume_step; newer "
+                  f"steps {list(plan.set_aside)} move to MODEL_DIR/{plan.aside_subdir}")
   if restore is not None and restore.path and restore.params_only:
     return 0, f"parameters from {restore.path}, step 0"
   if restore is not None and restore.path:
@@ -357,9 +361,10 @@ def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None) -> 
 
 def schedule(*, periods: train_lib.Periods, model_dir: str,
              checkpoint_cfg: ckpt_lib.CheckpointConfig, total_steps: int,
-             relative_steps: int | None, evaluators: str, eval_at_start: bool) -> Schedule:
+             relative_steps: int | None, evaluators: str, eval_at_start: bool,
+             resume_step: int | None = None) -> Schedule:
   """The steps the loop checkpoints and evaluates at (see `train._end_of_epoch`)."""
-  start, start_from = _start(model_dir, checkpoint_cfg.restore)
+  start, start_from = _start(model_dir, checkpoint_cfg.restore, resume_step)
   end = start + relative_steps if relative_steps is not None else total_steps
   steps = range(start + 1, end + 1)
   saves: tuple[int, ...] = ()

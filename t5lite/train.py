@@ -442,40 +442,43 @@ def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str,
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
-                    seed: int, data: TrainData | None = None) -> tuple[TrainState, int]:
-  """Latest checkpoint in model_dir, else an explicit restore path, else fresh init.
+                    seed: int, data: TrainData | None = None,
+                    resume_step: int | None = None) -> tuple[TrainState, int]:
+  """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
 
   The data continues where the restored step left it: from the saved
   iterator when the checkpoint has one, else by skipping that many batches.
   A params-only restore (fine-tuning) starts from the fresh init, replaces
   the parameters the checkpoint provides and starts at step 0; the latest
   checkpoint in model_dir still wins over it, so a restarted fine-tune
-  resumes its own full state.
+  resumes its own full state. Unreadable newer steps, and with
+  `resume_step` the steps after it, are moved out of the way (never
+  deleted) once a step has restored.
 
   Returns:
     (state, step it starts from).
 
   Raises:
-    ValueError: the explicit restore path does not fit the model (checked
-      before anything is written to model_dir).
+    ValueError: the explicit restore path does not fit the model, no step of
+      model_dir can be read, or `resume_step` is not one of its steps
+      (checked before anything is written to model_dir).
   """
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
   # Init under jit with output shardings: a large model is created already
   # split over the devices, never whole on one.
   init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
-  latest = checkpointer.latest_step()
+  plan = ckpt_lib.plan_resume(checkpointer.model_dir, resume_step)
+  latest = max(plan.candidates) if plan.candidates else None
   unfinished = [s for s in checkpointer.unfinished_steps() if latest is None or s > latest]
   if unfinished:
     metrics_lib.log_line(f"Warning: ignoring unfinished checkpoint(s) at step(s) {unfinished} "
                          f"in {checkpointer.directory}; restoring the last complete one.")
   if latest is not None:
-    metrics_lib.log_line(f"Restoring step {latest} from {checkpointer.directory}")
-    restored, with_data = checkpointer.restore(latest, abstract,
-                                               data.iterator if data is not None else None)
-    if data is not None and not with_data:
-      data.skip(latest)
-    return specs.abstract.restore_state(restored), latest
+    restored = _restore_own(checkpointer, plan, abstract, data)
+    if data is not None and not restored.with_data:
+      data.skip(restored.step)
+    return specs.abstract.restore_state(restored.state), restored.step
   if restore_cfg is not None and interop.checkpoint_format(restore_cfg.path):
     return _import_foreign(specs, restore_cfg, partitioner), 0
   if restore_cfg is not None and restore_cfg.path and restore_cfg.params_only:
@@ -494,6 +497,26 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
       data.skip(step)
     return specs.abstract.restore_state(restored), step
   return init(jax.random.key(seed)), 0
+
+
+def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
+                 abstract: Any, data: TrainData | None) -> ckpt_lib.Restored:
+  """Restores model_dir's newest readable candidate, then sets aside what
+  must not be restored next time (see `checkpoints.plan_resume`)."""
+  if plan.note:
+    metrics_lib.log_line(plan.note)
+  metrics_lib.log_line(f"Restoring step {max(plan.candidates)} from {checkpointer.directory}")
+  restored = checkpointer.restore_newest(plan.candidates, abstract,
+                                         data.iterator if data is not None else None)
+  for warning in restored.warnings:
+    metrics_lib.log_line(warning)
+  if restored.unreadable:
+    checkpointer.set_aside(restored.unreadable, ckpt_lib.UNREADABLE_SUBDIR)
+  if plan.aside_subdir:
+    where = checkpointer.set_aside(plan.set_aside, plan.aside_subdir)
+    metrics_lib.log_line(f"Resuming from step {restored.step} (train.resume_step): newer "
+                         f"step(s) {list(plan.set_aside)} moved to {where}, not deleted.")
+  return restored
 
 
 def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointConfig,
@@ -730,7 +753,7 @@ def _diverged_message(loop: _Loop, problem: str) -> str:
           f"is step {saved[-1]}. Rerun with a lower learning rate (or gradient clipping) to "
           "continue from it, or restart from an earlier saved step (steps "
           f"{'..., ' if len(saved) > 5 else ''}{listed}) with "
-          "--gin.train_lib.train.resume_step=N.")
+          "--gin.train.resume_step=N.")
 
 
 def _check_divergence(loop: _Loop, fetched: list[dict[str, float]], step: int) -> None:
@@ -926,7 +949,8 @@ def train(*,
           max_update_ratio: float | None = 1.0,
           loss_spike_factor: float | None = 3.0,
           loss_spike_window: int = 100,
-          summarize_config_fn: Callable[[str], None] | None = None) -> tuple[int, TrainState]:
+          summarize_config_fn: Callable[[str], None] | None = None,
+          resume_step: int | None = None) -> tuple[int, TrainState]:
   """Trains `model` on `train_dataset_cfg`, checkpointing into `model_dir`.
 
   Args:
@@ -974,6 +998,12 @@ def train(*,
       a run or restart has trained that many steps plus 10.
     summarize_config_fn: called with model_dir on process 0 once inputs are
       validated (the CLI writes config.gin with it).
+    resume_step: restore this step of model_dir's checkpoints instead of the
+      newest (`--gin.train.resume_step=N`, e.g. to go back before a
+      divergence). The newer steps are moved, not deleted, to
+      MODEL_DIR/checkpoints-abandoned-after-N/, so they neither block the
+      new saves nor get restored again; a rerun of the same command then
+      resumes from its own newest checkpoint.
 
   Returns:
     (final step, final TrainState); the final step is earlier than the
@@ -981,6 +1011,7 @@ def train(*,
 
   Raises:
     ValueError: invalid configuration, before anything compiles or is written.
+    checkpoints.CheckpointWriteError: a checkpoint could not be written.
   """
   divergence = DivergenceLimits(max_update_ratio=max_update_ratio,
                                 loss_spike_factor=loss_spike_factor,
@@ -1000,7 +1031,8 @@ def train(*,
               relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
               run_eval_before_training=run_eval_before_training,
               prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
-              summarize_config_fn=summarize_config_fn, divergence=divergence)
+              summarize_config_fn=summarize_config_fn, divergence=divergence,
+              resume_step=resume_step)
 
 
 def checked_setup(*, model: Any, trainer_cls: Callable[..., Any], seed: int,
@@ -1068,15 +1100,33 @@ def _progress(model: Any, data: TrainData, start: int, end: int,
                                   per_device=peak_flops_per_device))
 
 
-def _close(loop: _Loop) -> None:
-  """Waits for pending checkpoint writes and flushes every writer."""
-  loop.data.stop_prefetch()
-  loop.checkpointer.wait_until_finished()
-  loop.checkpointer.close()
-  loop.writer.close()
-  for evaluator in (loop.evaluator, loop.infer_evaluator):
-    if evaluator:
-      evaluator.close()
+def _close(loop: _Loop, failing: BaseException | None = None) -> None:
+  """Flushes every writer and waits for the checkpoint write in flight.
+
+  Args:
+    loop: the loop's pieces.
+    failing: the error already on its way out, if any; a failed write found
+      here is then logged, not raised, so that error is the one reported;
+      but a preemption promises its checkpoint, so its failure is raised.
+
+  Raises:
+    checkpoints.CheckpointWriteError: the last write failed.
+  """
+  try:
+    loop.data.stop_prefetch()
+  finally:
+    try:
+      loop.checkpointer.wait_until_finished()
+      loop.checkpointer.close()
+    except ckpt_lib.CheckpointWriteError as e:
+      if failing is None or isinstance(failing, Preempted):
+        raise
+      metrics_lib.log_line(f"Warning: {e}")
+    finally:
+      loop.writer.close()
+      for evaluator in (loop.evaluator, loop.infer_evaluator):
+        if evaluator:
+          evaluator.close()
 
 
 def _holding_model_dir_lock(run: Callable[..., Any]) -> Callable[..., Any]:
@@ -1097,7 +1147,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
          checkpoint_cfg,
          model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
          prefetch_batches, peak_flops_per_device, summarize_config_fn,
-         divergence=DivergenceLimits()) -> tuple[int, TrainState]:
+         divergence=DivergenceLimits(), resume_step=None) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   data = TrainData(model, train_cfg, partitioner, prefetch_batches)
   specs, init_fn = state_specs(model, partitioner, *data.input_shapes())
@@ -1108,7 +1158,7 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
   checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
   state, start = init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
                                  checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
-                                 seed=seed, data=data)
+                                 seed=seed, data=data, resume_step=resume_step)
   end = start + relative_steps if relative_steps is not None else total_steps
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
@@ -1140,8 +1190,12 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
         state, end, _ = _stop(loop, start, state, stop)
       else:
         state, end, _ = run_epochs(loop, state, start)
-  finally:
+  except BaseException as error:
+    _close(loop, failing=error)
+    raise
+  else:
     _close(loop)
+  finally:
     gc.enable()
   metrics_lib.log_line(_summary(model_dir=model_dir, checkpointer=checkpointer, start=start,
                                 end=end, seconds=time.perf_counter() - began))

@@ -1,0 +1,252 @@
+"""Faults of the disk under MODEL_DIR: failed writes end the run, damaged steps are skipped.
+
+Every run here is bounded by a timeout: a run that hangs fails the test.
+"""
+
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_cli import TINY, run_cli
+
+from t5lite import checkpoints, cli, dry_run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "checkpoint_fault_worker.py")
+
+
+# ---------------------------------------------------------------------------
+# Failed writes: exit 5 promptly, one line last on stderr
+
+
+def _can_mount_tmpfs():
+  """Whether a private tmpfs can be mounted (user namespaces, or root)."""
+  try:
+    return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs none /mnt"],
+                          capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+
+
+def _worker_command(cause, model_dir):
+  python = [sys.executable, WORKER]
+  if cause != "full":
+    return [*python, cause, str(model_dir)]
+  if not _can_mount_tmpfs():
+    return [*python, "full-injected", str(model_dir)]
+  model_dir.mkdir()
+  # A real full disk: a 256 kB tmpfs of this process's own, for a 400 kB save.
+  script = f'mount -t tmpfs -o size=256k none "{model_dir}" && exec "$@"'
+  return ["unshare", "-rm", "sh", "-c", script, "sh", *python, "full", str(model_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cause", ["file", "readonly", "vanished", "full"])
+def test_failed_checkpoint_write_exits_5_promptly_with_one_line(tmp_path, cause):
+  began = time.monotonic()
+  out = subprocess.run(_worker_command(cause, tmp_path / "run"), capture_output=True, text=True,
+                       timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 5, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("t5lite: CheckpointWriteError: Could not write checkpoint step "), last
+  assert "then rerun the same command" in last
+  assert time.monotonic() - began < 200
+
+
+def test_error_exit_does_not_wait_for_a_stuck_thread(tmp_path):
+  # What Orbax's commit threads do after a failed write: wait for a signal
+  # that never comes. Python would join them at exit, forever.
+  script = ("import threading\nfrom t5lite import cli\n"
+            "threading.Thread(target=threading.Event().wait, name='stuck').start()\n"
+            "cli._stop(5, 'CheckpointWriteError: reason')\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+  assert out.returncode == 5
+  assert out.stderr.strip().splitlines()[-1] == "t5lite: CheckpointWriteError: reason"
+
+
+def test_write_error_is_exit_status_5_and_input_errors_stay_2():
+  assert issubclass(checkpoints.CheckpointWriteError, OSError)
+  assert not issubclass(checkpoints.CheckpointWriteError, (ValueError, FileNotFoundError))
+  assert issubclass(checkpoints.CheckpointReadError, ValueError)  # exit 2: nothing written
+  assert cli.IO_ERROR_EXIT == 5
+
+
+@pytest.mark.slow
+def test_cli_checkpoints_file_exits_5_without_tracebacks_or_native_noise(tmp_path):
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  (model_dir / "checkpoints").write_text("in the way")
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path), timeout=300)
+  assert out.returncode == 5, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("t5lite: CheckpointWriteError: Could not write checkpoint step 2 to "
+                         f"{model_dir}/checkpoints: [Errno 20] Not a directory"), last
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  # TensorFlow's C++ start-up lines (CUDA probing) stay off the console.
+  assert "absl::InitializeLog" not in out.stderr and "cuInit" not in out.stderr, out.stderr
+
+
+def test_native_start_up_output_hidden_unless_verbosity(capfd, monkeypatch):
+  def native_print(text):
+    os.write(2, text.encode())
+
+  monkeypatch.setattr(cli, "_LIBRARY_LOGS", False)
+  with cli._native_start_up_logs_hidden():
+    native_print("E0000 cuda_platform.cc:52] failed call to cuInit\n")
+  assert "cuInit" not in capfd.readouterr().err
+  with pytest.raises(ImportError):  # a failed start shows what was hidden
+    with cli._native_start_up_logs_hidden():
+      native_print("the reason the library did not load\n")
+      raise ImportError("no")
+  assert "the reason the library did not load" in capfd.readouterr().err
+  cli._quiet_libraries(["t5lite-train", "--verbosity=0"])
+  assert cli._LIBRARY_LOGS
+  with cli._native_start_up_logs_hidden():
+    native_print("E0000 cuda_platform.cc:52] failed call to cuInit\n")
+  assert "cuInit" in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Damaged checkpoints: fall back to the newest step that restores
+
+
+def _files(root):
+  out = {}
+  for path in glob.glob(os.path.join(root, "**"), recursive=True):
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def _garbage(step_dir):
+  for path in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True):
+    with open(path, "wb") as f:
+      f.write(os.urandom(os.path.getsize(path)))
+
+
+def _truncate(step_dir):
+  for path in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True):
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+
+def _no_metadata(step_dir):
+  os.remove(os.path.join(step_dir, "state", "_METADATA"))
+
+
+@pytest.mark.slow
+def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(tmp_path):
+  model_dir = tmp_path / "run"
+  ckpts = model_dir / "checkpoints"
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+          "--gin.CHECKPOINTS_TO_KEEP=None"]
+  first = run_cli([*base, "--gin.TRAIN_STEPS=8"], cwd=str(tmp_path))
+  assert first.returncode == 0, first.stderr[-3000:]
+  _garbage(ckpts / "8")
+  _truncate(ckpts / "6")
+  _no_metadata(ckpts / "4")
+  damaged = {s: _files(ckpts / s) for s in ("4", "6", "8")}
+
+  again = run_cli([*base, "--gin.TRAIN_STEPS=10"], cwd=str(tmp_path))
+  assert again.returncode == 0, again.stderr[-3000:]
+  for bad in (8, 6, 4):  # one warning each, naming the damaged step and the one restored
+    line = next(x for x in again.stdout.splitlines()
+                if x.startswith(f"Warning: Checkpoint {ckpts}/{bad} is unreadable"))
+    assert "falling back to step 2." in line, line
+  assert "does not match" not in again.stdout + again.stderr
+  assert "steps 2 -> 10;" in again.stdout and "step 10/10" in again.stdout
+  # Nothing deleted: the damaged steps are kept, byte for byte, out of the way.
+  aside = model_dir / "checkpoints-unreadable"
+  assert {s: _files(aside / s) for s in ("4", "6", "8")} == damaged
+  assert sorted(int(s) for s in os.listdir(ckpts)) == [2, 4, 6, 8, 10]
+
+  # train.resume_step goes back to an earlier step; the newer ones are moved,
+  # neither deleted nor in the way of the new saves.
+  unknown = run_cli([*base, "--gin.TRAIN_STEPS=10", "--gin.train.resume_step=5"],
+                    cwd=str(tmp_path))
+  assert unknown.returncode == 2, unknown.stderr[-3000:]
+  last = unknown.stderr.strip().splitlines()[-1]
+  assert "train.resume_step=5 is not a checkpoint" in last
+  assert "available steps: [2, 4, 6, 8, 10]" in last
+  back = run_cli([*base, "--gin.TRAIN_STEPS=8", "--gin.train.resume_step=4"], cwd=str(tmp_path))
+  assert back.returncode == 0, back.stderr[-3000:]
+  assert "steps 4 -> 8;" in back.stdout
+  assert "newer step(s) [6, 8, 10] moved to" in back.stdout
+  assert sorted(int(s) for s in os.listdir(ckpts)) == [2, 4, 6, 8]
+  assert sorted(os.listdir(model_dir / "checkpoints-abandoned-after-4")) == ["10", "6", "8"]
+
+
+@pytest.mark.slow
+def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(tmp_path):
+  model_dir = tmp_path / "run"
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
+  assert run_cli(base, cwd=str(tmp_path)).returncode == 0
+  _garbage(model_dir / "checkpoints" / "4")
+  _no_metadata(model_dir / "checkpoints" / "2")
+  before = _files(model_dir)
+  out = run_cli([*base, "--gin.TRAIN_STEPS=6"], cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
+  assert "(so are steps [2])" in last and "Move the damaged step directories out of" in last
+  assert _files(model_dir) == before
+  # Inference names the damaged checkpoint too, instead of a model mismatch.
+  (tmp_path / "in.txt").write_text("hello\n")
+  infer = run_cli(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/infer.gin",
+                   "--gin_file=gin/testing/local_tiny.gin", f"--gin.CHECKPOINT_PATH='{model_dir}'",
+                   f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
+                   f"--gin.INPUT_FILE='{tmp_path / 'in.txt'}'"],
+                  cwd=str(tmp_path), script="t5lite-infer")
+  assert infer.returncode == 2, infer.stderr[-3000:]
+  last = infer.stderr.strip().splitlines()[-1]
+  assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
+  assert "Use another step (steps in" in last
+
+
+# ---------------------------------------------------------------------------
+# train.resume_step: the plan, as train() and the dry run read it
+
+
+def _steps(model_dir, steps):
+  for step in steps:
+    os.makedirs(os.path.join(model_dir, "checkpoints", str(step), "state"))
+
+
+def test_resume_plan(tmp_path):
+  _steps(tmp_path, (2, 4, 6))
+  assert checkpoints.plan_resume(str(tmp_path), None).candidates == (2, 4, 6)
+  plan = checkpoints.plan_resume(str(tmp_path), 4)
+  assert (plan.candidates, plan.set_aside, plan.aside_subdir) == (
+      (4,), (6,), "checkpoints-abandoned-after-4")
+  with pytest.raises(ValueError, match=r"train.resume_step=5 is not a checkpoint in .*; "
+                     r"available steps: \[2, 4, 6\]\. Pass one of them"):
+    checkpoints.plan_resume(str(tmp_path), 5)
+  with pytest.raises(ValueError, match="available steps: none"):
+    checkpoints.plan_resume(str(tmp_path / "empty"), 1)
+  # A rerun of the same command, after the rollback was done, resumes normally.
+  os.makedirs(tmp_path / "checkpoints-abandoned-after-4")
+  plan = checkpoints.plan_resume(str(tmp_path), 4)
+  assert plan.candidates == (2, 4, 6) and not plan.aside_subdir
+  assert "was applied by an earlier run" in plan.note
+
+
+def test_dry_run_reports_resume_step(tmp_path):
+  _steps(tmp_path, (2, 4, 6))
+  start, how = dry_run._start(str(tmp_path), None, resume_step=2)
+  assert start == 2 and "train.resume_step" in how and "[4, 6]" in how
+  assert dry_run._start(str(tmp_path), None)[0] == 6
+
+
+def test_gin_train_shorthand_binds_train_arguments():
+  argv = cli.rewrite_gin_args(["t5lite-train", "--gin.train.resume_step=4",
+                               "--gin.train_lib.train.random_seed=1", "--gin.MODEL_DIR='x'"])
+  assert argv[1:] == ["--gin_bindings=train_lib.train.resume_step = 4",
+                      "--gin_bindings=train_lib.train.random_seed = 1",
+                      "--gin_bindings=MODEL_DIR = 'x'"]
