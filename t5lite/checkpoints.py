@@ -37,7 +37,8 @@ class DatasetIteratorArgs(ocp.args.CheckpointArgs):
 class DatasetIteratorHandler(ocp.CheckpointHandler):
   """Saves each process's tf.data iterator position under dataset/process_<i>.
 
-  Every host reads its own shard, so each writes and reads its own file.
+  Each process holds its own iterator (its own shard with
+  `shard_by_host`), so each writes and reads its own file.
   """
 
   def _path(self, directory: epath.Path) -> str:
@@ -74,8 +75,11 @@ class SaveCheckpointConfig:
       whatever `keep` says.
     dtype: store parameters in this dtype (e.g. 'bfloat16'); the optimizer
       state stays as it is. Restoring casts back to the run's dtypes.
-    save_dataset: also save each host's data iterator position, so a resumed
-      run continues the data exactly without replaying it.
+    save_dataset: also save each process's tf.data iterator, so a restart
+      restores the data position instead of fast-forwarding the pipeline to
+      it. Either way the data continues exactly; this trades a write per
+      checkpoint (which grows with the shuffle buffer) for a faster restart
+      (docs/checkpoints.md has figures).
   """
 
   period: int = 1000
@@ -220,8 +224,8 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
 def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   """Whether `step` holds data iterators this run can continue from.
 
-  Each process saved the position in its own shard; with a different number
-  of processes the shards differ, so those positions mean nothing here.
+  Each process saved its own iterator; with a different number of processes
+  they do not fit this run, whose data is fast-forwarded instead.
   """
   path = os.path.join(str(manager.directory), str(step), _DATASET)
   if not os.path.isdir(path):
@@ -229,7 +233,7 @@ def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   saved = sum(name.startswith("process_") for name in os.listdir(path))
   if saved != jax.process_count():
     logging.warning("Checkpoint %s holds data iterators of %d processes but this run has %d; "
-                    "the data position is replayed instead.", step, saved, jax.process_count())
+                    "the data is fast-forwarded to that step instead.", step, saved, jax.process_count())
     return False
   return True
 
