@@ -233,7 +233,8 @@ def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   saved = sum(name.startswith("process_") for name in os.listdir(path))
   if saved != jax.process_count():
     logging.warning("Checkpoint %s holds data iterators of %d processes but this run has %d; "
-                    "the data is fast-forwarded to that step instead.", step, saved, jax.process_count())
+                    "the data is fast-forwarded to that step instead.", step, saved,
+                    jax.process_count())
     return False
   return True
 

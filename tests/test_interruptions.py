@@ -55,7 +55,7 @@ def test_nan_loss_stops_without_overwriting_good_checkpoints(tmp_path):
   assert sorted(os.listdir(model_dir / "checkpoints")) == before == ["2"]
 
 
-def _state(step_dir):
+def checkpoint_state(step_dir):
   """Reads a checkpoint's whole train state (params, optimizer state, step)
   with plain Orbax (no t5lite), as (path, array) pairs."""
   import orbax.checkpoint as ocp
@@ -71,20 +71,34 @@ def assert_bitwise_equal(a, b):
     assert x.dtype == y.dtype and (x == y).all(), path  # bitwise, not approximately
 
 
-def kill_once_saved(args, cwd, step_dir, timeout=600):
-  """Runs t5lite-train until the checkpoint `step_dir` is complete (Orbax
-  renames it into place when committed), then SIGKILLs it mid-run."""
+def start_train(args, cwd, log_name):
+  """Starts t5lite-train with its output going to a file (never a full pipe)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
-  with open(os.path.join(cwd, "killed.log"), "w") as log:  # a file never blocks the child
-    proc = subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(cwd), env=env,
+  with open(os.path.join(cwd, log_name), "w") as log:
+    return subprocess.Popen([os.path.join(BIN, "t5lite-train"), *args], cwd=str(cwd), env=env,
                             stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc, cwd, log_name, timeout=600):
+  """Waits for a `start_train` process (killing it after `timeout`); returns its output."""
+  try:
+    proc.wait(timeout=timeout)
+  finally:
+    proc.kill()
+    proc.wait()
+  with open(os.path.join(cwd, log_name)) as log:
+    return log.read()
+
+
+def kill_once_saved(proc, step_dir, timeout=600):
+  """SIGKILLs `proc` mid-run as soon as checkpoint `step_dir` is complete
+  (Orbax renames a step into place when committed)."""
   deadline = time.monotonic() + timeout
   while not os.path.isdir(step_dir) and proc.poll() is None and time.monotonic() < deadline:
     time.sleep(0.05)
   proc.kill()
   proc.wait(timeout=60)
-  with open(os.path.join(cwd, "killed.log")) as log:
-    assert proc.returncode == -signal.SIGKILL and os.path.isdir(step_dir), log.read()[-3000:]
+  return proc.returncode == -signal.SIGKILL and os.path.isdir(step_dir)
 
 
 # The shipped headline configs as they are (their data pipelines, seeds and
@@ -95,18 +109,21 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise(tmp_path, headlin
   common = [f"--gin_file=gin/{headline}.gin", "--gin_file=gin/testing/local_tiny.gin",
             "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
             "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1"]
-  straight = run_cli([*common, f"--gin.MODEL_DIR='{tmp_path / 'a'}'"], cwd=str(tmp_path))
-  assert straight.returncode == 0, straight.stderr[-3000:]
-
-  killed_dir = tmp_path / "b"
-  kill_once_saved([*common, f"--gin.MODEL_DIR='{killed_dir}'"], tmp_path,
-                  killed_dir / "checkpoints" / "2")
+  straight_dir, killed_dir = tmp_path / "a", tmp_path / "b"
+  # Both start together: most of a tiny run is start-up.
+  straight = start_train([*common, f"--gin.MODEL_DIR='{straight_dir}'"], tmp_path, "a.log")
+  killed = start_train([*common, f"--gin.MODEL_DIR='{killed_dir}'"], tmp_path, "b.log")
+  was_killed = kill_once_saved(killed, killed_dir / "checkpoints" / "2")
+  assert was_killed, finish(killed, tmp_path, "b.log")[-3000:]
   resumed = run_cli([*common, f"--gin.MODEL_DIR='{killed_dir}'"], cwd=str(tmp_path))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert re.search(r"Restoring step [246]\b", resumed.stdout), resumed.stdout
+  assert "Continuing the training data at batch" in resumed.stdout
+  log = finish(straight, tmp_path, "a.log")
+  assert straight.returncode == 0, log[-3000:]
 
-  assert_bitwise_equal(_state(tmp_path / "a" / "checkpoints" / "8"),
-                       _state(killed_dir / "checkpoints" / "8"))
+  assert_bitwise_equal(checkpoint_state(straight_dir / "checkpoints" / "8"),
+                       checkpoint_state(killed_dir / "checkpoints" / "8"))
 
 
 def test_half_written_checkpoint_is_never_restored(tmp_path):
