@@ -243,11 +243,25 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
              dataset_iterator: Any = None) -> tuple[Any, bool]:
   """Restores the state and, when saved and asked for, the data iterator."""
   check_matches(os.path.join(str(manager.directory), str(step)), abstract_state)
-  items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
+  state = manager.restore(step, args=ocp.args.Composite(
+      **{_ITEM: ocp.args.StandardRestore(abstract_state)}))[_ITEM]
   with_data = dataset_iterator is not None and _has_dataset(manager, step)
   if with_data:
-    items[_DATASET] = DatasetIteratorArgs(dataset_iterator)
-  return manager.restore(step, args=ocp.args.Composite(**items))[_ITEM], with_data
+    with_data = _restore_iterator(manager, step, dataset_iterator)
+  return state, with_data
+
+
+def _restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any) -> bool:
+  """Restores a saved data iterator in place; False (the caller fast-forwards)
+  when it was saved from another pipeline, e.g. by an older t5lite."""
+  try:
+    manager.restore(step, args=ocp.args.Composite(**{_DATASET: DatasetIteratorArgs(iterator)}))
+  except (tf.errors.OpError, AssertionError) as e:
+    logging.warning("The data iterator saved at step %d does not fit this pipeline (%s); "
+                    "the data is fast-forwarded to that step instead.", step,
+                    str(e).splitlines()[0])
+    return False
+  return True
 
 
 def _cast_params(state_dict: Any, dtype: str | None) -> Any:
