@@ -197,14 +197,6 @@ def _to_global(batch: Mapping[str, np.ndarray], shardings: Mapping[str, Any],
       shardings[k], v, (global_batch,) + v.shape[1:]) for k, v in batch.items()}
 
 
-def _place_rows(batch: Mapping[str, np.ndarray], shardings: Mapping[str, Any]
-                ) -> dict[str, jax.Array]:
-  """Global arrays from a global batch every process holds; each process
-  transfers only the rows of its own devices."""
-  return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
-          for k, v in batch.items()}
-
-
 def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iterator[dict]:
   """Yields global `jax.Array` batches from this host's tf.data batches."""
   shardings = {k: partitioner.batch_sharding(len(spec.shape))
@@ -303,7 +295,7 @@ class TrainData:
   """This process's training batches as global arrays.
 
   By default every process builds the same global pipeline (one shard,
-  batched at the global batch size) and places only its own rows on its
+  batched at the global batch size) and keeps only the rows of its own
   devices, so the data order is a function of the global step alone: 1 or
   N processes, and a restart on another process count, see the same
   batches. With `cfg.shard_by_host` each process reads its own shard
@@ -331,6 +323,10 @@ class TrainData:
     layout = partitioner.get_data_layout(cfg.batch_size)
     self.per_host = cfg.shard_by_host and layout.num_shards > 1
     shard = (layout.shard_id, layout.num_shards) if self.per_host else (0, 1)
+    rows = cfg.batch_size // layout.num_shards
+    # The rows of the global batch this process's devices hold.
+    self._rows = slice(None) if self.per_host else slice(layout.shard_id * rows,
+                                                         (layout.shard_id + 1) * rows)
     self._make = functools.partial(datasets.get_dataset, cfg, *shard,
                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
@@ -377,10 +373,8 @@ class TrainData:
     return self
 
   def _build(self) -> dict[str, jax.Array]:
-    batch = {k: v.numpy() for k, v in next(self.iterator).items()}
-    if self.per_host:
-      return _to_global(batch, self.shardings, self._global_batch)
-    return _place_rows(batch, self.shardings)
+    batch = {k: v.numpy()[self._rows] for k, v in next(self.iterator).items()}
+    return _to_global(batch, self.shardings, self._global_batch)
 
   def prefetch(self, num_batches: int) -> None:
     """Starts building the next `num_batches` batches in the background.
