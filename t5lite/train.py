@@ -702,7 +702,7 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
         pending.append(step_metrics)
         if jax.process_count() == 1 and _PREEMPTION.is_set():
           _preempt(loop, step, state, pending)
-      if jax.process_count() > 1 and _any_process_preempted():
+      if jax.process_count() > 1 and _any_process_preempted(pending):
         _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
       if stop:
@@ -726,11 +726,17 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
   return state, step, stop
 
 
-def _any_process_preempted() -> bool:
+def _any_process_preempted(pending: list) -> bool:
   """Whether any process got SIGTERM: every process must checkpoint the same
   step, so a multi-process job agrees at each stats period (one small
-  all-gather) instead of acting on its own signal mid-period."""
+  all-gather) instead of acting on its own signal mid-period.
+
+  The all-gather waits for the steps dispatched before it: otherwise one
+  process can start it while another is still in a step's collective, and
+  on CPU (gloo) the two then wait for each other until the context times out.
+  """
   from jax.experimental import multihost_utils
+  jax.block_until_ready(pending)
   flags = multihost_utils.process_allgather(np.asarray([_PREEMPTION.is_set()], np.int32))
   return bool(np.any(flags))
 
