@@ -60,8 +60,13 @@ def checkpoint_state(step_dir):
   with plain Orbax (no t5lite), as (path, array) pairs."""
   import orbax.checkpoint as ocp
   import jax
-  restored = ocp.StandardCheckpointer().restore(os.path.join(step_dir, "state"))
-  return jax.tree_util.tree_flatten_with_path(restored)[0]
+  path = os.path.join(step_dir, "state")
+  checkpointer = ocp.StandardCheckpointer()
+  # Onto this process's first device, whatever mesh and process count saved it.
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        checkpointer.metadata(path).item_metadata)
+  return jax.tree_util.tree_flatten_with_path(checkpointer.restore(path, target))[0]
 
 
 def assert_bitwise_equal(a, b):
