@@ -63,7 +63,8 @@ class DatasetIteratorArgs(ocp.args.CheckpointArgs):
 class DatasetIteratorHandler(ocp.CheckpointHandler):
   """Saves each process's tf.data iterator position under dataset/process_<i>.
 
-  Every host reads its own shard, so each writes and reads its own file.
+  Each process holds its own iterator (its own shard with
+  `shard_by_host`), so each writes and reads its own file.
   """
 
   def _path(self, directory: epath.Path) -> str:
@@ -100,8 +101,11 @@ class SaveCheckpointConfig:
       whatever `keep` says.
     dtype: store parameters in this dtype (e.g. 'bfloat16'); the optimizer
       state stays as it is. Restoring casts back to the run's dtypes.
-    save_dataset: also save each host's data iterator position, so a resumed
-      run continues the data exactly without replaying it.
+    save_dataset: also save each process's tf.data iterator, so a restart
+      restores the data position instead of fast-forwarding the pipeline to
+      it. Either way the data continues exactly; this trades a write per
+      checkpoint (which grows with the shuffle buffer) for a faster restart
+      (docs/checkpoints.md has figures).
   """
 
   period: int = 1000
@@ -267,8 +271,8 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
 def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   """Whether `step` holds data iterators this run can continue from.
 
-  Each process saved the position in its own shard; with a different number
-  of processes the shards differ, so those positions mean nothing here.
+  Each process saved its own iterator; with a different number of processes
+  they do not fit this run, whose data is fast-forwarded instead.
   """
   path = os.path.join(str(manager.directory), str(step), _DATASET)
   if not os.path.isdir(path):
@@ -276,7 +280,8 @@ def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
   saved = sum(name.startswith("process_") for name in os.listdir(path))
   if saved != jax.process_count():
     logging.warning("Checkpoint %s holds data iterators of %d processes but this run has %d; "
-                    "the data position is replayed instead.", step, saved, jax.process_count())
+                    "the data is fast-forwarded to that step instead.", step, saved,
+                    jax.process_count())
     return False
   return True
 
@@ -297,15 +302,27 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
   try:
     state = manager.restore(step, args=ocp.args.Composite(
         **{_ITEM: ocp.args.StandardRestore(abstract_state)}))[_ITEM]
-    with_data = dataset_iterator is not None and _has_dataset(manager, step)
-    if with_data:
-      manager.restore(step, args=ocp.args.Composite(
-          **{_DATASET: DatasetIteratorArgs(dataset_iterator)}))
   except jax.errors.JaxRuntimeError:
     raise  # the devices failed (out of memory, a lost peer), not the files
   except Exception as e:  # noqa: BLE001 - damaged files fail in many ways
     raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_reason(e)}") from e
+  with_data = dataset_iterator is not None and _has_dataset(manager, step)
+  if with_data:
+    with_data = _restore_iterator(manager, step, dataset_iterator)
   return state, with_data
+
+
+def _restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any) -> bool:
+  """Restores a saved data iterator in place; False (the caller fast-forwards)
+  when it was saved from another pipeline, e.g. by an older t5lite."""
+  try:
+    manager.restore(step, args=ocp.args.Composite(**{_DATASET: DatasetIteratorArgs(iterator)}))
+  except (tf.errors.OpError, AssertionError) as e:
+    logging.warning("The data iterator saved at step %d does not fit this pipeline (%s); "
+                    "the data is fast-forwarded to that step instead.", step,
+                    str(e).splitlines()[0])
+    return False
+  return True
 
 
 def _cast_params(state_dict: Any, dtype: str | None) -> Any:

@@ -323,7 +323,14 @@ class _Failure:
 
 
 class TrainData:
-  """This host's training batches as global arrays.
+  """This process's training batches as global arrays.
+
+  By default every process builds the same global pipeline (one shard,
+  batched at the global batch size) and keeps only the rows of its own
+  devices, so the data order is a function of the global step alone: 1 or
+  N processes, and a restart on another process count, see the same
+  batches. With `cfg.shard_by_host` each process reads its own shard
+  instead, and the order depends on the process count.
 
   Holds the tf.data iterator itself so checkpoints can save its position.
   `prefetch(n)` builds the next `n` batches, device transfer included, in a
@@ -345,14 +352,26 @@ class TrainData:
       raise ValueError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
                        f"{prefetch_depth}.")
     layout = partitioner.get_data_layout(cfg.batch_size)
-    self._ds = _leave_cores_to_the_step(datasets.get_dataset(
-        cfg, layout.shard_id, layout.num_shards, model.FEATURE_CONVERTER_CLS, num_epochs=None))
+    self.per_host = cfg.shard_by_host and layout.num_shards > 1
+    shard = (layout.shard_id, layout.num_shards) if self.per_host else (0, 1)
+    rows = cfg.batch_size // layout.num_shards
+    # The rows of the global batch this process's devices hold.
+    self._rows = slice(None) if self.per_host else slice(layout.shard_id * rows,
+                                                         (layout.shard_id + 1) * rows)
+    self._make = functools.partial(datasets.get_dataset, cfg, *shard,
+                                   model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
     self._depth = prefetch_depth
     self._prefetcher: _Prefetcher | None = None
+    self.skip(0)
+    if self.per_host:
+      metrics_lib.log_line(
+          f"Warning: train/DatasetConfig.shard_by_host=True: each of the {layout.num_shards} "
+          "processes reads, shuffles and packs its own shard, so the data order depends on the "
+          "number of processes; a restart on another number continues at the same step with "
+          "other examples.")
     self.shardings = {k: partitioner.batch_sharding(len(spec.shape))
                       for k, spec in self._ds.element_spec.items()}
-    self.iterator = iter(self._ds)
 
   def global_shapes(self) -> dict[str, tuple[int, ...]]:
     """Shapes of the global batches this yields, e.g. for counting FLOPs."""
@@ -366,16 +385,26 @@ class TrainData:
             {k: v.dtype.as_numpy_dtype for k, v in spec.items()})
 
   def skip(self, num_batches: int) -> None:
-    """Starts after `num_batches` batches: resuming without a saved iterator
-    replays the pipeline instead of repeating data."""
-    if num_batches:
-      self.iterator = iter(self._ds.skip(num_batches))
+    """Starts after the first `num_batches` batches of the run (a restart with
+    no saved iterator): the pipeline is built anew and fast-forwarded.
+
+    Built anew because a second iterator over the same tf.data shuffle draws
+    another order. Always through `skip`, even `skip(0)` (which tf.data must
+    not optimise away), so a saved iterator restores into the same graph
+    whatever position it was saved at.
+    """
+    import tensorflow as tf  # the pipeline is tf.data already; imported where used
+    options = tf.data.Options()
+    options.experimental_optimization.noop_elimination = False
+    ds = self._make().skip(num_batches).with_options(options)
+    self._ds = _leave_cores_to_the_step(ds)
+    self.iterator = iter(self._ds)
 
   def __iter__(self) -> "TrainData":
     return self
 
   def _build(self) -> dict[str, jax.Array]:
-    batch = {k: v.numpy() for k, v in next(self.iterator).items()}
+    batch = {k: v.numpy()[self._rows] for k, v in next(self.iterator).items()}
     return _to_global(batch, self.shardings, self._global_batch)
 
   def prefetch(self, num_batches: int) -> None:
@@ -439,6 +468,15 @@ def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str,
   return StateSpecs(abstract, logical, partitioner.logical_to_sharding(logical)), init
 
 
+def _fast_forward(data: TrainData, step: int) -> None:
+  """Continues the data after the `step` batches a restored run already used."""
+  if step:
+    metrics_lib.log_line(f"Continuing the training data at batch {step}: the pipeline is "
+                         "rebuilt and fast-forwarded (the checkpoint holds no iterator for "
+                         "this run).")
+  data.skip(step)
+
+
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
@@ -447,7 +485,8 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
 
   The data continues where the restored step left it: from the saved
-  iterator when the checkpoint has one, else by skipping that many batches.
+  iterator when the checkpoint has one for this process count, else by
+  fast-forwarding the deterministic pipeline that many batches.
   A params-only restore (fine-tuning) starts from the fresh init, replaces
   the parameters the checkpoint provides and starts at step 0; the latest
   checkpoint in model_dir still wins over it, so a restarted fine-tune
@@ -477,7 +516,7 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   if latest is not None:
     restored = _restore_own(checkpointer, plan, abstract, data)
     if data is not None and not restored.with_data:
-      data.skip(restored.step)
+      _fast_forward(data, restored.step)
     return specs.abstract.restore_state(restored.state), restored.step
   if restore_cfg is not None and interop.checkpoint_format(restore_cfg.path):
     return _import_foreign(specs, restore_cfg, partitioner), 0
@@ -494,7 +533,7 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
     restored, step = ckpt_lib.restore_from_path(restore_cfg, abstract)
     metrics_lib.log_line(f"Restored step {step} from {restore_cfg.path}")
     if data is not None:
-      data.skip(step)
+      _fast_forward(data, step)
     return specs.abstract.restore_state(restored), step
   return init(jax.random.key(seed)), 0
 
@@ -829,7 +868,7 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
         pending.append(step_metrics)
         if jax.process_count() == 1 and _PREEMPTION.is_set():
           _preempt(loop, step, state, pending)
-      if jax.process_count() > 1 and _any_process_preempted():
+      if jax.process_count() > 1 and _any_process_preempted(pending):
         _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
       if stop:
@@ -851,11 +890,17 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
   return state, step, stop
 
 
-def _any_process_preempted() -> bool:
+def _any_process_preempted(pending: list) -> bool:
   """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint
   the same step, so a multi-process job agrees at each stats period (one
-  small all-gather) instead of acting on its own signal mid-period."""
+  small all-gather) instead of acting on its own signal mid-period.
+
+  The all-gather waits for the steps dispatched before it: otherwise one
+  process can start it while another is still in a step's collective, and
+  on CPU (gloo) the two then wait for each other until the context times out.
+  """
   from jax.experimental import multihost_utils
+  jax.block_until_ready(pending)
   # 0: go on, 1: preemption asked, 2: Ctrl-C; one Ctrl-C makes every process exit 130.
   code = int(_PREEMPTION.is_set()) + int(_INTERRUPTED.is_set())
   codes = multihost_utils.process_allgather(np.asarray([code], np.int32))

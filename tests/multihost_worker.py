@@ -3,8 +3,8 @@
 Joins the job through `t5lite.distributed` exactly as the CLI does, then:
 
   data   prints, as one JSON line, this process's data layout, the rows of
-         its own first training batch and the whole global batch that
-         `TrainData` assembled from every process's rows;
+         the first global batch its devices hold and the whole global batch
+         that `TrainData` assembled from every process's rows;
   hold   runs cross-process collectives until it is stopped, printing
          "collectives running" once they work.
 """
@@ -20,14 +20,13 @@ from t5lite import distributed
 
 # The data pipeline (TensorFlow, seqio) loads only in `data` mode, so `hold`
 # processes start in a moment.
-DATA_CONFIG = dict(mixture_or_task_name="t5lite_arithmetic",
+DATA_CONFIG = dict(mixture_or_task_name="t5lite_span_corruption",
                    task_feature_lengths={"inputs": 32, "targets": 16}, split="train",
-                   batch_size=8, shuffle=False, seed=0, pack=False)
+                   batch_size=8, shuffle=True, seed=0, pack=True)
 
 
 def data_config():
-  """Unshuffled, unpacked and free of random preprocessing, so the rows do not
-  depend on how many processes split them."""
+  """Shuffled, span-corrupted and packed, like the shipped pretraining runs."""
   from t5lite.data import datasets
   return datasets.DatasetConfig(**DATA_CONFIG)
 
@@ -54,23 +53,21 @@ def _data() -> dict:
   partitioner = partitioning.Partitioner(mesh_shape={"data": -1})
   model = testing.tiny_encoder_decoder()
   layout = partitioner.get_data_layout(cfg.batch_size)
-  local = next(datasets.get_dataset(cfg, layout.shard_id, layout.num_shards,
-                                    model.FEATURE_CONVERTER_CLS).as_numpy_iterator())
+  # The global pipeline every process builds: one shard at the global batch size.
+  whole = next(datasets.get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS)
+               .as_numpy_iterator())["encoder_input_tokens"]
   batch = next(train_lib.TrainData(model, cfg, partitioner))
   inputs = batch["encoder_input_tokens"]
-  # Every device of this process holds rows of this process's own batch.
+  # Every device of this process holds its rows of that global batch.
+  placed = all(np.array_equal(np.asarray(s.data), whole[s.index[0]])
+               for s in inputs.addressable_shards)
   rows_per_process = cfg.batch_size // layout.num_shards
   offset = layout.shard_id * rows_per_process
-  placed = all(
-      np.array_equal(np.asarray(s.data),
-                     local["encoder_input_tokens"][s.index[0].start - offset:
-                                                   s.index[0].stop - offset])
-      for s in inputs.addressable_shards)
   return {
       "process_index": jax.process_index(), "process_count": jax.process_count(),
       "devices": jax.device_count(), "local_devices": jax.local_device_count(),
       "shard_id": layout.shard_id, "num_shards": layout.num_shards,
-      "local_rows": local["encoder_input_tokens"].tolist(),
+      "local_rows": np.asarray(whole[offset:offset + rows_per_process]).tolist(),
       "placed_from_local_rows": placed,
       "global_rows": np.asarray(
           multihost_utils.process_allgather(inputs, tiled=True)).tolist(),

@@ -2,6 +2,7 @@
 
 import gzip
 import importlib
+import itertools
 import re
 import sys
 
@@ -361,3 +362,43 @@ def test_user_task_in_own_module(tmp_path, monkeypatch):
     assert vocabularies.byte_vocabulary().decode(first_row.tolist()).startswith("number ")
   finally:
     seqio.TaskRegistry.remove("user_numbers")
+
+
+def _rows(batch):
+  return np.asarray(batch["encoder_input_tokens"]).tolist()
+
+
+def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
+  # The shipped pretraining pipeline: shuffled, span-corrupted and packed.
+  import jax
+  import jax.numpy as jnp
+
+  from t5lite import checkpoints, partitioning, testing
+  from t5lite import train as train_lib
+  cfg = _config(tasks.SPAN_CORRUPTION, shuffle=True, pack=True)
+
+  def train_data():
+    return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
+                               prefetch_depth=0)
+
+  want = [_rows(b) for b in itertools.islice(train_data(), 6)]
+  # A restart without a saved iterator fast-forwards a freshly built pipeline
+  # (a second pass over the first run's tf.data shuffle would draw another order).
+  resumed = train_data()
+  resumed.skip(3)
+  assert [_rows(next(resumed)) for _ in range(2)] == want[3:5]
+  # With save_dataset the iterator is saved and restored, also after a fast-forward.
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), checkpoints.SaveCheckpointConfig(
+      save_dataset=True))
+  state = {"step": jnp.zeros((), jnp.int32)}
+  checkpointer.save(5, state, resumed.iterator)
+  checkpointer.wait_until_finished()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+  restored = train_data()
+  assert checkpointer.restore(5, abstract, restored.iterator)[1]
+  assert _rows(next(restored)) == want[5]
+  # An iterator saved from another pipeline is refused (the caller then
+  # fast-forwards), not a crash.
+  other = iter(datasets.get_dataset(cfg, 0, 1, seqio.EncDecFeatureConverter))
+  assert not checkpointer.restore(5, abstract, other)[1]

@@ -9,12 +9,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
 import pytest
 from multihost import BIN, free_port, run_two_processes, start_job
 from test_cli import TINY, scalars
+from test_interruptions import assert_bitwise_equal, checkpoint_state
 
 from t5lite import distributed
 
@@ -173,7 +175,7 @@ def test_watchdog_ignores_peers_that_finished():
 
 
 @pytest.mark.slow
-def test_each_process_reads_its_own_shard_into_one_global_batch(tmp_path):
+def test_each_process_places_its_rows_of_one_global_batch(tmp_path):
   # Started from SLURM's variables with --multiprocess_gpu alone, as srun would.
   port = free_port()
 
@@ -191,18 +193,17 @@ def test_each_process_reads_its_own_shard_into_one_global_batch(tmp_path):
     assert (g["shard_id"], g["num_shards"]) == (i, 2)
     assert g["placed_from_local_rows"]
   rows0, rows1 = got[0]["local_rows"], got[1]["local_rows"]
-  assert len(rows0) == len(rows1) == 4
-  assert not {tuple(r) for r in rows0} & {tuple(r) for r in rows1}  # different streams
-  # Both see the same global batch: process 0's rows, then process 1's ...
-  assert got[0]["global_rows"] == got[1]["global_rows"] == rows0 + rows1
-  # ... which holds the examples one process reading everything would batch.
+  assert len(rows0) == len(rows1) == 4 and rows0 != rows1
+  # Both see the same global batch, process 0's rows then process 1's: the
+  # very batch one process reading everything gets (shuffled, packed and
+  # span-corrupted alike), so the order does not depend on the process count.
   from multihost_worker import data_config
   from t5lite.data import datasets
   from t5lite.models import models
   whole = next(datasets.get_dataset(data_config(), 0, 1,
                                     models.EncoderDecoderModel.FEATURE_CONVERTER_CLS)
                .as_numpy_iterator())["encoder_input_tokens"].tolist()
-  assert sorted(whole) == sorted(rows0 + rows1)
+  assert got[0]["global_rows"] == got[1]["global_rows"] == rows0 + rows1 == whole
 
 
 def _losses(model_dir):
@@ -214,44 +215,72 @@ def _copy_checkpoint(src_dir, step, dst_dir):
                   os.path.join(dst_dir, "checkpoints", str(step)))
 
 
+# The shipped pretraining pipeline as it is (shuffled, span-corrupted,
+# packed; no save_dataset), on a batch the 8 devices split.
+SHIPPED = [*TINY, "--gin.BATCH_SIZE=8", "--gin.STATS_PERIOD=1", "--gin.EVAL_PERIOD=0",
+           "--gin.CHECKPOINT_PERIOD=2", "--gin.TRAIN_STEPS=6"]
+
+
+def _kill_once_saved(job, step_dir, timeout=600):
+  """SIGKILLs every process of `job` as soon as checkpoint `step_dir` is complete."""
+  deadline = time.monotonic() + timeout
+  while not os.path.isdir(step_dir) and time.monotonic() < deadline:
+    assert all(p.poll() is None for p in job.procs.values()), job.describe()
+    time.sleep(0.05)
+  job.kill_all()
+  assert os.path.isdir(step_dir), job.describe()
+  assert all(p.returncode == -signal.SIGKILL for p in job.procs.values()), job.describe()
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_path):
-  def args(model_dir, steps=4):
-    return [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
+def test_two_processes_train_like_one_and_resume_exactly_on_any_process_count(tmp_path):
+  def args(model_dir, *extra):
+    return [*SHIPPED, f"--gin.MODEL_DIR='{model_dir}'", *extra]
 
   # Independent runs go two at a time: most of a short run is start-up.
-  one, two = tmp_path / "one", tmp_path / "two"
-  ref_job, two_job = _start(args(one), tmp_path, "one", 1), _start(args(two), tmp_path, "two", 2)
+  one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
+  ref_job = _start(args(one), tmp_path, "one", 1)
+  two_job = _start(args(two, "--gin.checkpoints.SaveCheckpointConfig.save_dataset=True"),
+                   tmp_path, "two", 2)
   _finished(ref_job)
   results = _finished(two_job)
 
+  # The same batches in 1 and 2 processes: the same losses.
   want = _losses(one)
-  assert sorted(want) == [1, 2, 3, 4]
-  assert abs(want[4] - want[1]) > 1000 * TOLERANCE * want[1]  # the comparison means something
+  assert sorted(want) == [1, 2, 3, 4, 5, 6]
+  assert abs(want[6] - want[1]) > 1000 * TOLERANCE * want[1]  # the comparison means something
   assert _losses(two) == pytest.approx(want, rel=TOLERANCE)
   # Process 0 alone writes the run's files; everyone writes checkpoint shards.
   assert len(os.listdir(two / "train")) == 1
   assert (two / "config.gin").exists() and (two / "model-info.txt").exists()
-  assert "step 4/4" in results[0].stdout and "step 4/4" not in results[1].stdout
-  assert sorted(os.listdir(two / "checkpoints")) == ["2", "4"]
+  assert "step 6/6" in results[0].stdout and "step 6/6" not in results[1].stdout
+  assert sorted(os.listdir(two / "checkpoints")) == ["2", "4", "6"]
   saved = os.listdir(two / "checkpoints" / "4" / "dataset")
   assert sorted(n for n in saved if n.startswith("process_")) == ["process_0", "process_1"]
 
-  # A 2-process checkpoint continues in 1 process, and a 1-process one in 2,
-  # exactly where the uninterrupted run went. The saved data iterators belong
-  # to the other process count, so the data position is replayed instead.
+  # SIGKILL mid-run and the same 2-process command again: bitwise the
+  # uninterrupted 2-process state. Meanwhile a 2-process checkpoint continues
+  # in 1 process, where the uninterrupted 1-process run went (its saved
+  # iterators belong to 2 processes, so the pipeline is fast-forwarded).
   to_one, to_two = tmp_path / "to_one", tmp_path / "to_two"
   _copy_checkpoint(two, 2, to_one)
-  _copy_checkpoint(one, 2, to_two)
   one_job = _start(args(to_one), tmp_path, "to_one", 1)
+  _kill_once_saved(_start(args(killed), tmp_path, "killed", 2), killed / "checkpoints" / "2")
+  (to_one_result,) = _finished(one_job)
+  # ... and the restart runs beside a 1-process checkpoint continuing in 2.
+  _copy_checkpoint(one, 2, to_two)
   two_job = _start(args(to_two), tmp_path, "to_two", 2)
-  (resumed,) = _finished(one_job)
-  results = _finished(two_job)
-  assert "Restoring step 2" in resumed.stdout and "Restoring step 2" in results[0].stdout
+  resumed = _finished(_start(args(killed), tmp_path, "resumed", 2))
+  to_two_results = _finished(two_job)
+  assert re.search(r"Restoring step [24]\b", resumed[0].stdout), resumed[0].stdout
+  assert_bitwise_equal(checkpoint_state(two / "checkpoints" / "6"),
+                       checkpoint_state(killed / "checkpoints" / "6"))
+  assert "Restoring step 2" in to_one_result.stdout
+  assert "Restoring step 2" in to_two_results[0].stdout
   for model_dir in (to_one, to_two):
     got = _losses(model_dir)
-    assert sorted(got) == [3, 4], model_dir
-    assert got == pytest.approx({3: want[3], 4: want[4]}, rel=TOLERANCE), model_dir
+    assert sorted(got) == [3, 4, 5, 6], model_dir
+    assert got == pytest.approx({s: want[s] for s in got}, rel=TOLERANCE), model_dir
 
 
 @pytest.mark.slow

@@ -48,6 +48,13 @@ class DatasetConfig:
       directory.
     use_memory_cache: let seqio keep small datasets in memory.
     trim_output_features: cut features longer than their length.
+    shard_by_host: training only. False (the default): every host builds the
+      same global pipeline and keeps its rows of each global batch, so the
+      data order is a function of the global example position alone and is
+      the same in 1 or N processes, and on a restart on another process
+      count. True: each host reads, shuffles and packs its own shard (less
+      input work per host in a large job); the order then depends on the
+      number of processes.
   """
 
   mixture_or_task_name: str
@@ -61,6 +68,7 @@ class DatasetConfig:
   module: str | None = None
   use_memory_cache: bool = True
   trim_output_features: bool = True
+  shard_by_host: bool = False
 
 
 def _import_task_module(module: str) -> None:
