@@ -364,7 +364,7 @@ def test_user_task_in_own_module(tmp_path, monkeypatch):
     seqio.TaskRegistry.remove("user_numbers")
 
 
-def _rows(batch):
+def _batch_rows(batch):
   return np.asarray(batch["encoder_input_tokens"]).tolist()
 
 
@@ -381,12 +381,12 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
     return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
                                prefetch_depth=0)
 
-  want = [_rows(b) for b in itertools.islice(train_data(), 6)]
+  want = [_batch_rows(b) for b in itertools.islice(train_data(), 6)]
   # A restart without a saved iterator fast-forwards a freshly built pipeline
   # (a second pass over the first run's tf.data shuffle would draw another order).
   resumed = train_data()
   resumed.skip(3)
-  assert [_rows(next(resumed)) for _ in range(2)] == want[3:5]
+  assert [_batch_rows(next(resumed)) for _ in range(2)] == want[3:5]
   # With save_dataset the iterator is saved and restored, also after a fast-forward.
   checkpointer = checkpoints.Checkpointer(str(tmp_path), checkpoints.SaveCheckpointConfig(
       save_dataset=True))
@@ -397,7 +397,7 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
                           state)
   restored = train_data()
   assert checkpointer.restore(5, abstract, restored.iterator)[1]
-  assert _rows(next(restored)) == want[5]
+  assert _batch_rows(next(restored)) == want[5]
   # An iterator saved from another pipeline is refused (the caller then
   # fast-forwards), not a crash.
   other = iter(datasets.get_dataset(cfg, 0, 1, seqio.EncDecFeatureConverter))
