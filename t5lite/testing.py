@@ -47,6 +47,14 @@ def tiny_decoder_only(optimizer: optax.GradientTransformation | None = None,
       optimizer=optimizer or optimizers.adafactor(0.01))
 
 
+def fake_device_flags(num_devices: int) -> str:
+  """XLA_FLAGS for a process with `num_devices` fake CPU devices, keeping the
+  other XLA flags of this process's environment."""
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count=")]
+  return " ".join([*kept, f"--xla_force_host_platform_device_count={num_devices}"])
+
+
 def run_with_devices(code: str, num_devices: int = 8, timeout: int = 600,
                      extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
   """Runs Python `code` in a fresh process with `num_devices` fake CPU devices.
@@ -54,7 +62,7 @@ def run_with_devices(code: str, num_devices: int = 8, timeout: int = 600,
   The device count must be fixed before JAX starts, hence the subprocess.
   """
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+             XLA_FLAGS=fake_device_flags(num_devices),
              **(extra_env or {}))
   return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                         text=True, timeout=timeout)

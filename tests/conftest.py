@@ -4,8 +4,25 @@ Test order: modules with slow end-to-end cases first, so that the two
 `make test` workers end together instead of one running a long case alone
 at the end. Each module stays in one piece (its fixtures are set up once)."""
 
+import os
+import tempfile
+
 import gin
 import pytest
+
+# Every JAX program the tests compile, in this process and in the processes
+# they start (which inherit the environment), goes through one persistent
+# compilation cache, so a program several tests build is compiled once. LLVM
+# optimisation is off: it makes the compiled code faster, which the tiny test
+# programs do not need, and costs a third of the suite's CPU time. The HLO
+# and its partitioning are the same; results may differ in the last bits,
+# and every comparison in the suite runs both sides under these flags or
+# compares to a stated tolerance. Both are set before anything imports JAX.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "t5lite-test-xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
+                                    "--xla_backend_optimization_level=0"])
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from t5lite import testing
+
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Shared with the single-process CLI tests (see test_cli.JAX_CACHE): repeated
@@ -42,7 +44,7 @@ def free_port() -> int:
 def process_env(num_devices: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
   """Environment of one process: CPU only, `num_devices` fake devices, shared XLA cache."""
   return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+              XLA_FLAGS=testing.fake_device_flags(num_devices),
               **JAX_CACHE, **(extra or {}))
 
 

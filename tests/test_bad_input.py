@@ -7,6 +7,8 @@ from test_cli import TINY, run_cli
 
 import pytest
 
+from t5lite import testing
+
 # End-to-end: real processes and training runs (part of `make test`).
 pytestmark = pytest.mark.slow
 
@@ -83,7 +85,7 @@ def test_feature_lengths_missing_a_feature(tmp_path):
 
 def test_batch_not_divisible_by_data_parallel_size(tmp_path, monkeypatch):
   # run_cli passes this process's environment on: 8 fake CPU devices there.
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("XLA_FLAGS", testing.fake_device_flags(8))
   model_dir = tmp_path / "run"
   out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.BATCH_SIZE=6"],
                 cwd=str(tmp_path))

@@ -15,6 +15,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from t5lite import cli
+from t5lite import testing
 
 BIN = os.path.dirname(sys.executable)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,7 +270,7 @@ def test_user_task_from_user_module(tmp_path):
 @pytest.mark.slow
 def test_partitioning_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "tp"
-  env_args = dict(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env_args = dict(XLA_FLAGS=testing.fake_device_flags(8))
   env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args, **JAX_CACHE)
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
                         "--gin_file=gin/partitioning/fsdp_tp.gin", f"--gin.MODEL_DIR='{model_dir}'"],
@@ -300,7 +301,7 @@ def test_moe_headline_logs_expert_metrics(tmp_path):
 def test_expert_parallel_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "ep"
   env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=testing.fake_device_flags(8))
   args = ["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
           "--gin_file=gin/partitioning/expert_parallel.gin", f"--gin.MODEL_DIR='{model_dir}'",
           "--gin.NUM_EXPERT_PARTITIONS=4", "--gin.BATCH_SIZE=8"]

@@ -16,6 +16,7 @@ from test_cli import BIN, JAX_CACHE, TINY
 from t5lite import checkpoints as ckpt_lib
 from t5lite import cli
 from t5lite import dry_run
+from t5lite import testing
 from t5lite import train as train_lib
 
 MOE = ["--gin_file=gin/pretrain_moe.gin"]
@@ -119,7 +120,7 @@ def test_dry_run_pretrain_moe(tmp_path, clean_gin):
 def test_dry_run_fsdp_over_8_devices_divides_the_parameters(tmp_path):
   args = [*TINY, "--gin_file=gin/partitioning/fsdp.gin", "--gin.BATCH_SIZE=16", "--dry_run",
           "--gin.MODEL_DIR='run'"]
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {"XLA_FLAGS": testing.fake_device_flags(8)}
   result = run_cli(args, cwd=str(tmp_path), env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout

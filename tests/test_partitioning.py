@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
+from t5lite import testing
 
 
 def test_standard_rules_t5x_semantics():
@@ -93,7 +94,7 @@ _EIGHT = textwrap.dedent("""
 
 
 def test_eight_fake_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=testing.fake_device_flags(8),
              JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", _EIGHT], env=env, capture_output=True, text=True,
                        timeout=300)
@@ -178,7 +179,7 @@ _INDIVISIBLE = textwrap.dedent("""
 def test_indivisible_parameter_dimension_is_named():
   out = subprocess.run([sys.executable, "-c", _INDIVISIBLE], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                             XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+                                             XLA_FLAGS=testing.fake_device_flags(8)))
   assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -208,5 +209,5 @@ _TWO_HOST_LAYOUTS = textwrap.dedent("""
 def test_hosts_holding_the_same_rows_read_the_same_shard():
   out = subprocess.run([sys.executable, "-c", _TWO_HOST_LAYOUTS], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                             XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+                                             XLA_FLAGS=testing.fake_device_flags(8)))
   assert out.returncode == 0, out.stderr[-3000:]
