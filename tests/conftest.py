@@ -2,7 +2,9 @@
 
 Test order: modules with slow end-to-end cases first, so that the two
 `make test` workers end together instead of one running a long case alone
-at the end. Each module stays in one piece (its fixtures are set up once)."""
+at the end; before them the tests marked `longest` (the newcomer path of
+`make docs-check`, several minutes alone). Each module stays in one piece
+(its fixtures are set up once)."""
 
 import os
 import tempfile
@@ -35,4 +37,5 @@ def clean_gin():
 
 def pytest_collection_modifyitems(config, items):
   slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: item.module.__name__ not in slow_modules)
+  items.sort(key=lambda item: (item.get_closest_marker("longest") is None,
+                              item.module.__name__ not in slow_modules))

@@ -30,6 +30,7 @@ def jsonl(path):
 
 @pytest.mark.slow
 @pytest.mark.docs
+@pytest.mark.longest
 def test_clone_readme_and_quickstart(tmp_path):
   clone = str(tmp_path / "t5lite")
   subprocess.run(["git", "clone", "--quiet", REPO, clone], check=True, timeout=300)
@@ -60,7 +61,7 @@ def test_clone_readme_and_quickstart(tmp_path):
   pretrain = os.path.join(clone, "runs", "pretrain")
   assert sorted(os.listdir(os.path.join(pretrain, "checkpoints"))) == ["2", "4"]
 
-  run_document("docs/quickstart.md", box, **env)
+  print("\n".join(run_document("docs/quickstart.md", box, **env)))  # seconds, with -s
 
   # What the quickstart says each step writes.
   assert {"config.gin", "model-info.txt", "checkpoints", "train", "training_eval"} <= set(
