@@ -80,11 +80,16 @@ def test_import_reads_shards_into_the_training_shardings():
 
 
 @pytest.mark.slow
-def test_two_processes_import_and_decode_like_one(tmp_path):
+def test_two_processes_import_and_decode_like_one(tmp_path, monkeypatch):
   """A T5X checkpoint read by a 2-process FSDP job (each process reading its
   own shards) decodes exactly what one process decodes."""
   from multihost import run_two_processes
   from test_cli import run_cli
+
+  # The scores must agree to the last bit on different meshes, which holds
+  # for the code XLA compiles by default, not for the unoptimised code the
+  # rest of the suite uses to compile faster (tests/conftest.py).
+  monkeypatch.setenv("XLA_FLAGS", "")
 
   checkpoint = h.T5X_CHECKPOINTS["a", "orbax"]
   (tmp_path / "inputs.txt").write_text("The cat sat on the mat.\nHello world\nabc\nxyz\n")
