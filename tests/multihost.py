@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -26,12 +25,6 @@ from t5lite import testing
 
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# Shared with the single-process CLI tests (see test_cli.JAX_CACHE): repeated
-# runs load compiled programs instead of compiling them again.
-JAX_CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "t5lite-test-xla"),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-}
 
 
 def free_port() -> int:
@@ -42,10 +35,11 @@ def free_port() -> int:
 
 
 def process_env(num_devices: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-  """Environment of one process: CPU only, `num_devices` fake devices, shared XLA cache."""
+  """Environment of one process: CPU only, `num_devices` fake devices; the
+  shared XLA cache comes with the environment (tests/conftest.py)."""
   return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
               XLA_FLAGS=testing.fake_device_flags(num_devices),
-              **JAX_CACHE, **(extra or {}))
+              **(extra or {}))
 
 
 def distributed_flags(port: int, index: int, count: int, *, heartbeat_timeout: int,

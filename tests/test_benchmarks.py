@@ -8,14 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import JAX_CACHE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "gin/testing/bench_tiny.gin"
 
 
 def run_script(args, timeout=600):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
   assert result.returncode == 0, f"{args[0]} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

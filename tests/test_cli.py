@@ -6,7 +6,6 @@ import queue
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -22,14 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--gin_file=gin/pretrain_dense.gin", "--gin_file=gin/testing/local_tiny.gin"]
 
 
-# The CLI tests compile the same tiny programs many times; sharing XLA's
-# persistent cache between their processes saves most of that.
-JAX_CACHE = dict(JAX_COMPILATION_CACHE_DIR=os.path.join(tempfile.gettempdir(), "t5lite-test-xla"),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-
-
 def cli_env():
-  return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
+  return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
 
 
 def run_cli(args, cwd, script="t5lite-train", timeout=600):
@@ -271,7 +264,7 @@ def test_user_task_from_user_module(tmp_path):
 def test_partitioning_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "tp"
   env_args = dict(XLA_FLAGS=testing.fake_device_flags(8))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args, **JAX_CACHE)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args)
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
                         "--gin_file=gin/partitioning/fsdp_tp.gin", f"--gin.MODEL_DIR='{model_dir}'"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
@@ -300,7 +293,7 @@ def test_moe_headline_logs_expert_metrics(tmp_path):
 @pytest.mark.slow
 def test_expert_parallel_preset_on_eight_devices(tmp_path):
   model_dir = tmp_path / "ep"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **JAX_CACHE,
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=testing.fake_device_flags(8))
   args = ["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
           "--gin_file=gin/partitioning/expert_parallel.gin", f"--gin.MODEL_DIR='{model_dir}'",

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from t5lite import cli
-from test_cli import BIN, JAX_CACHE, TINY, run_cli
+from test_cli import BIN, TINY, run_cli
 
 HEADER = ("from __gin__ import dynamic_registration\n"
           "from t5lite import checkpoints\n"
@@ -152,7 +152,7 @@ def test_cli_input_errors_exit_2_in_one_line_and_write_nothing(tmp_path, args, e
   out = subprocess.run(
       [os.path.join(BIN, "t5lite-train"), *TINY, f"--gin.MODEL_DIR='{model_dir}'", *args],
       cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE) | env)
+      env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3") | env)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
   assert "Traceback" not in out.stderr

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import pytest
-from test_cli import JAX_CACHE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO)
@@ -358,7 +357,7 @@ def block_scripts(block: Block, box: Sandbox) -> list[Callable[[], str]]:
 
 def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
   """Runs a document's blocks in order in `box`; returns a line per command."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              PATH=os.pathsep.join([os.path.join(box.root, ".venv", "bin"),
                                    os.environ.get("PATH", "")]), **env_vars)
   log = []

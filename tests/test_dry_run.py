@@ -11,7 +11,7 @@ import gin
 import jax
 import numpy as np
 import pytest
-from test_cli import BIN, JAX_CACHE, TINY
+from test_cli import BIN, TINY
 
 from t5lite import checkpoints as ckpt_lib
 from t5lite import cli
@@ -23,7 +23,7 @@ MOE = ["--gin_file=gin/pretrain_moe.gin"]
 
 
 def run_cli(args, cwd, script="t5lite-train", env=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              **(env or {}))
   return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import seqio
-from test_cli import BIN, JAX_CACHE, TINY
+from test_cli import BIN, TINY
 
 from t5lite.data import build_corpus
 
@@ -17,7 +17,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog, twice."
 
 
 def run(script, args, cwd):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **JAX_CACHE)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   return subprocess.run([os.path.join(BIN, script), *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
 
