@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import tempfile
-import threading
 import tokenize
 from collections.abc import Callable, Iterator, Sequence
 
@@ -503,20 +502,21 @@ def _stop(exit_code: int, line: str) -> None:
 
 
 def _exit(exit_code: int) -> None:
-  """sys.exit, unless a thread would keep the interpreter from ending.
+  """Ends the process at once, after the reason line, with nothing after it.
 
-  Python joins every non-daemon thread before it exits. After a failed
-  checkpoint write, Orbax's commit threads wait for signals that never come,
-  so a plain sys.exit would hang after the error line; the reason is printed
-  and nothing is left to flush, so the process ends at once instead.
+  By the time a run stops with a reason, its writers are flushed and closed
+  and the checkpoint in flight has finished or failed. An ordinary interpreter
+  shutdown would then only add noise or hang: Python joins every non-daemon
+  thread (after a failed checkpoint write, Orbax's commit threads wait for
+  signals that never come), and the finalizers of library objects still
+  alive can print tracebacks (an asyncio loop already closed) below the
+  reason, which must stay the last line on stderr.
   """
-  waiting = [t for t in threading.enumerate()
-             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-  if waiting:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
-  sys.exit(exit_code)
+  import logging as std_logging
+  std_logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(exit_code)
 
 
 def _training_stopped() -> type[Exception]:
