@@ -231,13 +231,16 @@ def _as_is(tokens: list[str], box: Sandbox) -> list[str]:
 
 # The benchmark scripts at smoke-test size: their code paths, not their figures.
 # The compile sweep at one depth still compiles both layouts in a fresh
-# process; the prefetch comparison of features.py at 2 steps still has a
-# stats period to compare (its loop is run.py's, measured above it).
+# process; features.py measures one variant, with two gin switches (each
+# variant is the same code with other bindings, and every switch is compiled
+# and checked by the model tests), and its prefetch comparison at 2 steps
+# still has a stats period to compare (its loop is run.py's, measured above it).
 BENCH_TINY_GIN = "--gin_file=gin/testing/bench_tiny.gin"
 BENCH_TINY_ARGS = {
     "run.py": ["--steps=6", "--stats=2", "--bare_steps=2", "--pipeline_batches=4",
                "--compile_depths=1", "--memory_steps=2", "--matmul_sizes=64"],
-    "features.py": ["--steps=1", "--blocks=1", "--train_steps=2"],
+    "features.py": ["--steps=1", "--blocks=1", "--train_steps=2",
+                    "--variant=scan_layers + remat full"],
     "profile_step.py": ["--steps=1", "--top=5"],
     "checkpoint_blocking.py": ["--steps=6", "--checkpoint_period=2", "--stats=2"],
     "decode.py": ["--batch=2", "--length=8", "--repeats=1"],

@@ -29,6 +29,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from t5lite.data import autograph
 from t5lite.data import build_corpus
 from t5lite.data import preprocessors
 from t5lite.data import vocabularies
@@ -349,4 +350,5 @@ def register_tasks() -> None:
   _register_generated(SORT_SPM, spm_vocab, _sort_dataset, SORT_SIZES)
 
 
+autograph.skip_known_code()  # before any pipeline is traced
 register_tasks()
