@@ -428,6 +428,9 @@ def _in_docs_order(docs: list[str]) -> list[str]:
 def test_document_commands_run(doc, tmp_path):
   box = Sandbox(tmp_path, port=free_port())
   print("\n".join(run_document(doc, box)))  # seconds per command, with -s
+  if doc == "docs/performance.md":  # and what the benchmark scripts wrote
+    import benchmark_checks
+    benchmark_checks.check_all(os.path.join(box.root, "bench-results"))
 
 
 # ---------------------------------------------------------------------------

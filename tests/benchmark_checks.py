@@ -1,0 +1,64 @@
+"""What the benchmark scripts write, checked for consistency.
+
+`make docs-check` runs every command of docs/performance.md at smoke-test
+size (tests/test_docs.py, BENCH_TINY_ARGS) and then these checks on the JSON
+files those runs wrote. Their figures are measured by `make bench`; here
+only their consistency is checked.
+"""
+
+import json
+import os
+
+import pytest
+
+TINY = "gin/testing/bench_tiny.gin"
+
+
+def _load(results_dir, name):
+  with open(os.path.join(results_dir, f"{name}.json"), encoding="utf-8") as f:
+    return json.load(f)
+
+
+def check_run(results_dir):
+  """benchmarks/run.py: MFU, framework overhead, pipeline, compile, memory."""
+  info = _load(results_dir, "run")
+  peak = info["matmul_peak"]
+  # Measured before and after the config, for both dtypes.
+  assert peak["measurements"] == 2
+  assert set(peak["all"]) == {"float32 64", "bfloat16 64"}
+  assert peak["flops_per_second"] == max(peak["all"].values())
+  r = info["results"][TINY]
+  # train() ran 6 steps in stats periods of 2; the first period compiles.
+  assert len(r["train_loop_steps_per_second"]) == 2
+  bare = max(r["bare_steps_per_second"])
+  assert r["mfu"] == pytest.approx(r["flops_per_step"] * bare / peak["flops_per_second"])
+  assert r["framework_overhead"] == pytest.approx(
+      1 - max(r["train_loop_steps_per_second"]) / bare)
+  assert r["pipeline_ratio"] == pytest.approx(
+      r["pipeline_tokens_per_second"] / r["consumed_tokens_per_second"])
+  assert r["tokens_per_batch"] == 4 * (32 + 16)  # local_tiny: batch 4, lengths 32 + 16
+  # The compile sweep at depth 1, both layouts, both clocks; a fresh process
+  # ran 2 steps for the peak host memory.
+  for clock in ("wall", "cpu"):
+    for layout in ("unscanned", "scanned"):
+      assert list(r["compile_seconds"][clock][layout]) == ["1"]
+      assert r["compile_seconds"][clock][layout]["1"] > 0
+  assert r["peak_host_memory_bytes"] > 0
+
+
+def check_checkpoint_blocking(results_dir):
+  result = _load(results_dir, "checkpoint_blocking")
+  assert sorted(int(s) for s in result["save_seconds_by_step"]) == [2, 4, 6]
+  assert result["mean_step_seconds_without_saves"] > 0
+
+
+def check_decode(results_dir):
+  result = _load(results_dir, "decode")
+  assert result["same_tokens"] is True
+  assert result["cached"]["generated_tokens"] == result["uncached"]["generated_tokens"] > 0
+
+
+def check_all(results_dir):
+  check_run(results_dir)
+  check_checkpoint_blocking(results_dir)
+  check_decode(results_dir)
