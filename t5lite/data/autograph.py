@@ -5,9 +5,9 @@ recompiles its source, and that of every function it calls, so that Python
 control flow over tensors becomes graph control flow. The preprocessors of
 t5lite and the SeqIO modules named below use TF ops for all such control
 flow, so the rewrite changes no op of the traced graph and only costs time:
-about 2 s of every command that builds a pipeline (a tiny training run's
-train dataset builds in 2.2 s instead of 4.1 s). `skip_known_code` tells
-AutoGraph to call them as written.
+about 2 s of every command that builds a pipeline (the first span-corruption
+pipeline of a process builds in 2.2 s instead of 4.1 s; docs/performance.md).
+`skip_known_code` tells AutoGraph to call them as written.
 
 Users' own preprocessors are still rewritten, and so is `seqio.utils`, whose
 packing loops over tensors in Python.
