@@ -11,23 +11,21 @@ import os
 
 import pytest
 
-TINY = "gin/testing/bench_tiny.gin"
-
 
 def _load(results_dir, name):
   with open(os.path.join(results_dir, f"{name}.json"), encoding="utf-8") as f:
     return json.load(f)
 
 
-def check_run(results_dir):
-  """benchmarks/run.py: MFU, framework overhead, pipeline, compile, memory."""
+def check_run(results_dir, gin_file):
+  """benchmarks/run.py on `gin_file`: MFU, framework overhead, pipeline, compile, memory."""
   info = _load(results_dir, "run")
   peak = info["matmul_peak"]
   # Measured before and after the config, for both dtypes.
   assert peak["measurements"] == 2
   assert set(peak["all"]) == {"float32 64", "bfloat16 64"}
   assert peak["flops_per_second"] == max(peak["all"].values())
-  r = info["results"][TINY]
+  r = info["results"][gin_file]
   # train() ran 6 steps in stats periods of 2; the first period compiles.
   assert len(r["train_loop_steps_per_second"]) == 2
   bare = max(r["bare_steps_per_second"])
@@ -58,7 +56,8 @@ def check_decode(results_dir):
   assert result["cached"]["generated_tokens"] == result["uncached"]["generated_tokens"] > 0
 
 
-def check_all(results_dir):
-  check_run(results_dir)
+def check_all(results_dir, gin_file):
+  """Every check, on the JSON files the scripts wrote to `results_dir`."""
+  check_run(results_dir, gin_file)
   check_checkpoint_blocking(results_dir)
   check_decode(results_dir)

@@ -94,3 +94,23 @@ def test_batch_not_divisible_by_data_parallel_size(tmp_path, monkeypatch):
   assert "Batch size 6 must be a positive multiple of the data-parallel size 8" in line
   assert "change BATCH_SIZE or the mesh" in line
   assert not model_dir.exists()
+
+
+# A task module whose import leaves something that prints while the
+# interpreter shuts down, as the finalizer of a library object still alive
+# can ("RuntimeError: Event loop is closed").
+_NOISY_AT_SHUTDOWN = """
+import atexit, sys
+atexit.register(lambda: print("RuntimeError: noise at shutdown", file=sys.stderr))
+"""
+
+
+def test_reason_stays_the_last_line_whatever_prints_at_shutdown(tmp_path):
+  (tmp_path / "noisy_at_shutdown.py").write_text(_NOISY_AT_SHUTDOWN)
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                 "--gin.MIXTURE_OR_TASK_MODULE='noisy_at_shutdown'",
+                 "--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Unknown mixture or task 'no_such_task'" in _last_line(out), out.stderr[-2000:]
+  assert "noise at shutdown" not in out.stderr
+  assert not (tmp_path / "run").exists()
