@@ -59,8 +59,10 @@ def run_with_devices(code: str, num_devices: int = 8, timeout: int = 600,
                      extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
   """Runs Python `code` in a fresh process with `num_devices` fake CPU devices.
 
-  The device count must be fixed before JAX starts, hence the subprocess.
+  The device count must be fixed before JAX starts, hence the subprocess,
+  which collects garbage as t5lite's console scripts do.
   """
+  code = "from t5lite import cli\ncli.collect_garbage_less_during_start_up()\n" + code
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=fake_device_flags(num_devices),
              **(extra_env or {}))

@@ -456,14 +456,17 @@ def model_input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
 def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
                 input_types: Mapping[str, Any]) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
   """Abstract train state, its shardings, and the function that initialises it."""
-  def init(rng):
+  def boxed_and_state(rng):
     variables = model.get_initial_variables(rng, input_shapes, input_types)
-    return TrainState.create(nn.unbox(variables["params"]), model.optimizer)
+    return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer)
 
-  boxed = jax.eval_shape(lambda: model.get_initial_variables(
-      jax.random.key(0), input_shapes, input_types))
+  def init(rng):
+    return boxed_and_state(rng)[1]
+
+  # One trace gives both the logical axes (on the boxed parameters) and the
+  # abstract state; tracing a large model is seconds of a short run's start.
+  boxed, abstract = jax.eval_shape(boxed_and_state, jax.random.key(0))
   param_axes = nn.get_partition_spec(boxed)["params"]
-  abstract = jax.eval_shape(init, jax.random.key(0))
   logical = state_logical_axes(abstract, param_axes)
   return StateSpecs(abstract, logical, partitioner.logical_to_sharding(logical)), init
 

@@ -6,11 +6,14 @@ at the end; before them the tests marked `longest` (the newcomer path of
 `make docs-check`, several minutes alone). Each module stays in one piece
 (its fixtures are set up once)."""
 
+import gc
 import os
 import tempfile
 
 import gin
 import pytest
+
+from t5lite import cli
 
 # Every JAX program the tests compile, in this process and in the processes
 # they start (which inherit the environment), goes through one persistent
@@ -25,6 +28,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
                                     "--xla_backend_optimization_level=0"])
+
+
+# As in t5lite's console scripts (t5lite/cli.py): a larger youngest GC
+# generation while test modules import libraries and trace models, and what
+# collection imported frozen, so later collections do not walk it again.
+cli.collect_garbage_less_during_start_up()
+
+
+def pytest_collection_finish(session):
+  gc.freeze()
 
 
 @pytest.fixture

@@ -139,6 +139,21 @@ def test_gin_file_resolves_from_package_root_anywhere(tmp_path, clean_gin):
     cli.parse_gin(["gin/nope.gin"], [], paths)
 
 
+def test_start_up_collects_garbage_less_and_freezes_what_it_built(tmp_path):
+  # What the entry point sees: the larger youngest generation, and the
+  # imported libraries frozen (later collections skip them).
+  script = ("import gc, sys\nfrom t5lite import cli\n"
+            "def entry():\n"
+            "  import jax, seqio\n"
+            "  return lambda: print('gc', gc.get_threshold()[0], gc.get_freeze_count())\n"
+            "sys.argv = ['t5lite-train']\ncli._main(entry)\n")
+  out = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=cli_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  _, threshold, frozen = out.stdout.split()
+  assert int(threshold) == 10_000 and int(frozen) > 100_000, out.stdout
+
+
 def test_child_drains_stderr_and_fails_instead_of_hanging(tmp_path):
   # 1 MB on stderr fills any pipe buffer: a reader of stdout alone would wait
   # forever for "ready" while the child waits for room on stderr.
