@@ -499,27 +499,34 @@ def _stop(exit_code: int, line: str) -> None:
   """Prints the one-line reason and exits; in a multi-process job the peers
   are told first, so they stop too instead of waiting in a collective."""
   from t5lite import distributed
-  print(f"t5lite: {line}", file=sys.stderr, flush=True)
+  _say_last(f"t5lite: {line}")
   distributed.report_failure(exit_code, line)
-  _exit(exit_code)
+  os._exit(exit_code)
 
 
-def _exit(exit_code: int) -> None:
-  """Ends the process at once, after the reason line, with nothing after it.
+def _say_last(line: str) -> None:
+  """Writes `line` to stderr as the last thing this process prints there.
 
   By the time a run stops with a reason, its writers are flushed and closed
-  and the checkpoint in flight has finished or failed. An ordinary interpreter
-  shutdown would then only add noise or hang: Python joins every non-daemon
-  thread (after a failed checkpoint write, Orbax's commit threads wait for
-  signals that never come), and the finalizers of library objects still
-  alive can print tracebacks (an asyncio loop already closed) below the
-  reason, which must stay the last line on stderr.
+  and the checkpoint in flight has finished or failed; what is left is
+  shutting down. An ordinary interpreter shutdown would only add noise or
+  hang: Python joins every non-daemon thread (after a failed checkpoint
+  write, Orbax's commit threads wait for signals that never come), and the
+  finalizers of library objects still alive print tracebacks (an asyncio
+  loop already closed) when a collection or the shutdown reaches them, in
+  this thread or any other. So no collection runs from here on, pending
+  output is flushed, and stderr is pointed at /dev/null before the line is
+  written to the real one; the caller then ends the process with `os._exit`.
   """
   import logging as std_logging
+  gc.disable()
   std_logging.shutdown()
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(exit_code)
+  real_stderr = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.write(real_stderr, f"{line}\n".encode())
 
 
 def _training_stopped() -> type[Exception]:

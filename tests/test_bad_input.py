@@ -114,3 +114,28 @@ def test_reason_stays_the_last_line_whatever_prints_at_shutdown(tmp_path):
   assert "Unknown mixture or task 'no_such_task'" in _last_line(out), out.stderr[-2000:]
   assert "noise at shutdown" not in out.stderr
   assert not (tmp_path / "run").exists()
+
+
+# A task module whose import starts a thread that keeps writing to stderr, as
+# a library thread (or a finalizer run by a collection in one) can while the
+# process stops.
+_NOISY_THREAD = """
+import sys, threading, time
+def noise():
+  while True:
+    sys.stderr.write("noise from a library thread\\n")
+    sys.stderr.flush()
+    time.sleep(0.0002)
+threading.Thread(target=noise, daemon=True).start()
+"""
+
+
+def test_reason_stays_the_last_line_while_another_thread_prints(tmp_path):
+  (tmp_path / "noisy_thread.py").write_text(_NOISY_THREAD)
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                 "--gin.MIXTURE_OR_TASK_MODULE='noisy_thread'",
+                 "--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "noise from a library thread" in out.stderr  # it did print, before the reason
+  assert "Unknown mixture or task 'no_such_task'" in _last_line(out), out.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
