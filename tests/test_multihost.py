@@ -257,13 +257,16 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_pr
 
   # One uninterrupted reference serves both: on 2 devices every cross-device
   # sum adds two numbers, whose order does not matter, so 1 process with 2
-  # devices and 2 processes with 1 each compute bitwise the same state. All
-  # three runs start together (mostly start-up); each killed run restarts,
-  # with the same command, as soon as it is killed.
+  # devices and 2 processes with 1 each compute bitwise the same state. The
+  # 1-process killed run starts once the reference has compiled its step
+  # (the same program, then read from the compilation cache); each killed run
+  # restarts, with the same command, as soon as it is killed.
   straight = _start(args("straight"), tmp_path, "straight", 1)
-  killed = {n: _start(args(f"killed{n}"), tmp_path, f"killed{n}", n) for n in (1, 2)}
+  killed = {2: _start(args("killed2"), tmp_path, "killed2", 2)}
   resumed = {}  # by the process count the killed run ran on
   try:
+    straight.wait_for_output(0, "step 1/6", timeout=600)
+    killed[1] = _start(args("killed1"), tmp_path, "killed1", 1)
     for job in _kill_all_once_saved(
         [(killed[n], tmp_path / f"killed{n}" / "checkpoints" / "2") for n in (1, 2)]):
       n = len(job.procs)
