@@ -10,13 +10,9 @@ LENGTH = "length"  # sequence positions
 EMBED = "embed"  # model width (d_model)
 HEADS = "heads"  # attention heads
 KV = "kv"  # per-head width (d_kv)
-JOINED_KV = "joined_kv"  # heads * d_kv when the two are fused
 MLP = "mlp"  # feed-forward hidden width
 VOCAB = "vocab"  # token embedding rows / logits
 RELPOS_BUCKETS = "relpos_buckets"  # relative-position bias buckets
 EXPERT = "expert"  # Mixture-of-Experts expert index
 EXPERT_MLP = "expert_mlp"  # feed-forward hidden width inside an expert
 LAYERS = "layers"  # stacked layers when scanning over depth
-
-ALL = (BATCH, LENGTH, EMBED, HEADS, KV, JOINED_KV, MLP, VOCAB, RELPOS_BUCKETS,
-       EXPERT, EXPERT_MLP, LAYERS)

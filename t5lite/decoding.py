@@ -47,7 +47,6 @@ import jax.numpy as jnp
 Array = jax.Array
 Cache = Any
 TokensToLogits = Callable[[Array, Cache], tuple[Array, Cache]]
-DecodeFn = Callable[..., tuple[Array, Array]]
 
 # Log-probability of impossible beams: finite so that sums and divisions of
 # it never produce NaNs, and far below any real sequence's log-probability.

@@ -8,7 +8,7 @@ task's postprocessor and metric functions. Metrics go to TensorBoard under
 `<output_dir>/inference_eval/<task>/` and, with the predictions next to
 their inputs and targets, to JSONL files in `<output_dir>/inference_eval/`.
 
-`predict_features` is the batching core, shared with `t5lite-infer`.
+`BatchRunner` is the batching core, shared with `t5lite-eval` and `t5lite-infer`.
 """
 
 from __future__ import annotations

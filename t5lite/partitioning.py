@@ -93,7 +93,6 @@ def _standard_rules(activation_partitioning_dims: int, parameter_partitioning_di
       (ax.VOCAB, "model"),
       (ax.MLP, "model"),
       (ax.HEADS, "model"),
-      (ax.JOINED_KV, "model"),
       (ax.EXPERT_MLP, "model"),
   ]
   if activation_partitioning_dims == 2:
@@ -149,14 +148,12 @@ class DataLayout:
   """Which slice of the global batch this host reads.
 
   Attributes:
-    batch_size: global batch size.
     shard_id: index of this host's slice of the batch.
     num_shards: number of distinct slices across hosts.
     is_first_host_in_replica_set: False when an earlier host reads the same
       slice (hosts that only hold model-parallel replicas of it).
   """
 
-  batch_size: int
   shard_id: int
   num_shards: int
   is_first_host_in_replica_set: bool
@@ -275,10 +272,6 @@ class Partitioner:
     if self._mesh is None:
       self._mesh = create_mesh(self._resolved_mesh_shape(), self._devices)
     return self._mesh
-
-  @property
-  def logical_axis_rules(self) -> list[tuple[str, Any]]:
-    return list(self._rules)
 
   def validate(self) -> None:
     """Builds the mesh so an impossible shape fails before anything compiles."""
@@ -402,7 +395,7 @@ def layout_for_process(slices: Mapping[int, tuple[int, int]], process: int,
   mine = slices[process]
   size = mine[1] - mine[0]
   first = all(slices[p] != mine for p in sorted(slices) if p < process)
-  return DataLayout(batch_size=batch_size, shard_id=mine[0] // size,
+  return DataLayout(shard_id=mine[0] // size,
                     num_shards=batch_size // size, is_first_host_in_replica_set=first)
 
 

@@ -51,7 +51,7 @@ def test_bad_partitioning_dims():
 def test_single_device_layout():
   p = partitioning.Partitioner()
   layout = p.get_data_layout(4)
-  assert layout == partitioning.DataLayout(4, 0, 1, True)
+  assert layout == partitioning.DataLayout(0, 1, True)
   assert dict(p.mesh.shape) == {"data": len(jax.devices()), "fsdp": 1, "expert": 1, "seq": 1,
                                 "model": 1}
 
