@@ -441,10 +441,10 @@ def check_jax_platforms(value: str | None) -> None:
     ValueError: an unknown platform name, with the known ones.
   """
   known = set(_JAX_PLATFORMS)
+  from t5lite import jax_internals
   try:
-    from jax._src import xla_bridge  # names of backends registered so far
-    known |= {*xla_bridge._backend_factories, *xla_bridge._platform_aliases}  # noqa: SLF001
-  except (ImportError, AttributeError):
+    known |= jax_internals.registered_platforms()
+  except (ImportError, AttributeError):  # moved in a JAX release: the fixed list
     pass
   names = [n.strip() for n in (value or "").split(",") if n.strip()]
   unknown = [n for n in names if n not in known]

@@ -37,6 +37,8 @@ from typing import Any
 
 import jax
 
+from t5lite import jax_internals
+
 # Exit status of a process stopped because a peer stopped responding or the
 # job could not assemble (a peer's own failure passes on its status instead).
 PEER_LOST_EXIT = 4
@@ -138,12 +140,10 @@ def _resolve_job(config: DistributedConfig) -> Job:
     # Without cluster detection a process sees all of its host's devices, even
     # under SLURM, where detection would narrow it to one GPU per task.
     return Job(config.coordinator_address, config.process_count, config.process_index, None)
-  from jax._src import clusters  # the detection jax.distributed.initialize() runs itself
   env_ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
   local = [int(i) for i in env_ids.split(",")] if env_ids else None
-  address, count, index, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-      os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, local, None,
-      config.initialization_timeout)
+  address, count, index, local = jax_internals.detect_cluster(
+      os.environ.get("JAX_COORDINATOR_ADDRESS"), local, config.initialization_timeout)
   if address is None or count is None or index is None:
     raise ValueError(
         "--multiprocess_gpu found no cluster environment (SLURM or Open MPI) to take the "
@@ -202,8 +202,7 @@ def _service_names_missing_processes(timeout: int) -> Iterator[None]:
   `jax.distributed.initialize` has no argument for it, so the service
   factory it calls is wrapped for the duration of the call.
   """
-  from jax._src import distributed as jax_distributed
-  runtime = jax_distributed._jax
+  runtime = jax_internals.distributed_runtime()
   original = runtime.get_distributed_runtime_service
 
   def service(*args, **kwargs):
@@ -380,8 +379,7 @@ def initialize(config: DistributedConfig) -> None:
         initialization_timeout=timeout + _NAMING_GRACE_S + _JAX_BACKSTOP_S,
         heartbeat_timeout_seconds=config.heartbeat_timeout + _JAX_BACKSTOP_S)
   if job.process_count > 1:
-    from jax._src import distributed as jax_distributed
-    _WATCHDOG = Watchdog(jax_distributed.global_state.client, job, config.heartbeat_timeout)
+    _WATCHDOG = Watchdog(jax_internals.coordination_client(), job, config.heartbeat_timeout)
     _WATCHDOG.start()
 
 

@@ -1,0 +1,49 @@
+"""The few JAX internals t5lite needs where JAX has no public API.
+
+Each is one small function here and nowhere else, so a JAX release that
+moves one breaks this module alone, and `tests/test_jax_internals.py`, which
+calls every function, fails naming it. What each is for:
+
+- `detect_cluster`: the SLURM / Open MPI detection `jax.distributed.initialize`
+  runs itself, needed before joining to print which job is being joined and
+  to check the flags.
+- `distributed_runtime`: the module whose `get_distributed_runtime_service`
+  `jax.distributed.initialize` calls; wrapping that call gives the
+  coordination service a registration deadline, so it names missing peers.
+- `coordination_client`: the client of the coordination service this process
+  joined; the watchdog reads peers' heartbeats and failures through it.
+- `registered_platforms`: the platform names JAX can start, to name an unknown
+  `JAX_PLATFORMS` value before JAX fails on it deep inside start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def detect_cluster(coordinator_address: str | None, local_device_ids: Sequence[int] | None,
+                   initialization_timeout: int) -> tuple[Any, Any, Any, Any]:
+  """(coordinator address, process count, process index, local device ids)
+  from the cluster environment; None for what it does not give."""
+  from jax._src import clusters
+  return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      coordinator_address, None, None, local_device_ids, None, initialization_timeout)
+
+
+def distributed_runtime() -> Any:
+  """The module holding `get_distributed_runtime_service`."""
+  from jax._src import distributed
+  return distributed._jax  # noqa: SLF001
+
+
+def coordination_client() -> Any:
+  """This process's coordination-service client; None before it joined a job."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def registered_platforms() -> set[str]:
+  """Names (and aliases) of the platforms JAX has a backend factory for."""
+  from jax._src import xla_bridge
+  return {*xla_bridge._backend_factories, *xla_bridge._platform_aliases}  # noqa: SLF001
