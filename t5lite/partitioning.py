@@ -354,7 +354,7 @@ class Partitioner:
 
   def partition(self, fn: Callable[..., Any], in_shardings: Any, out_shardings: Any,
                 donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = ()
-                ) -> Callable[..., Any]:
+                ) -> "Partitioned":
     """Jits `fn` with shardings; calls run under this mesh and rules.
 
     Args:
@@ -364,24 +364,33 @@ class Partitioner:
       static_argnums: arguments treated as compile-time constants.
 
     Returns:
-      A callable with the same signature as `fn`.
+      A `Partitioned`, called with the same arguments as `fn`.
     """
-    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                     donate_argnums=tuple(donate_argnums),
-                     static_argnums=tuple(static_argnums))
-
-    def call(*args, **kwargs):
-      with self.activate():
-        return jitted(*args, **kwargs)
-
-    call.lower = lambda *a, **k: _lower_in(self, jitted, *a, **k)  # type: ignore[attr-defined]
-    call.jitted = jitted  # type: ignore[attr-defined]
-    return call
+    return Partitioned(self, jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                     donate_argnums=tuple(donate_argnums),
+                                     static_argnums=tuple(static_argnums)))
 
 
-def _lower_in(partitioner: Partitioner, jitted: Any, *args: Any, **kwargs: Any) -> Any:
-  with partitioner.activate():
-    return jitted.lower(*args, **kwargs)
+class Partitioned:
+  """A function jitted with shardings; calling and lowering it both run under
+  its partitioner's mesh and logical-axis rules.
+
+  Attributes:
+    jitted: the `jax.jit` function itself (its compilation cache, for tests).
+  """
+
+  def __init__(self, partitioner: Partitioner, jitted: Any):
+    self._partitioner = partitioner
+    self.jitted = jitted
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with self._partitioner.activate():
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """`jax.jit(...).lower` under the mesh and rules; `.compile()` the result."""
+    with self._partitioner.activate():
+      return self.jitted.lower(*args, **kwargs)
 
 
 def layout_for_process(slices: Mapping[int, tuple[int, int]], process: int,
