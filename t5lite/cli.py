@@ -129,6 +129,17 @@ def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
                    "check the path or add its directory with --gin_search_paths.")
 
 
+_PARTITIONER = "t5lite.partitioning.Partitioner"
+
+
+def select_mesh(selector: str) -> None:
+  """`--mesh_selector`: the `mesh_selector` argument of the Partitioner the
+  run configs build, over whatever the gin files bound."""
+  import gin
+  with gin.unlock_config():
+    gin.bind_parameter(f"{_PARTITIONER}.mesh_selector", selector)
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
   """Parses files then bindings; include statements resolve via the search paths.
 
@@ -474,10 +485,9 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     distributed.initialize(_distributed_config())
     _configure_data_dirs()
     _allow_user_modules_from_cwd()
-    if FLAGS.mesh_selector:
-      from t5lite import partitioning
-      os.environ[partitioning.MESH_SELECTOR_ENV] = FLAGS.mesh_selector
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
+    if FLAGS.mesh_selector:
+      select_mesh(FLAGS.mesh_selector)
     run = entry()
     gc.freeze()  # modules and config live until exit: later collections skip them
     run()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -31,8 +30,6 @@ BATCH_MESH_AXES = ("data", "fsdp", "expert")
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 MeshRules = Sequence[tuple[str, Mapping[str, int]]]
-# Set by `--mesh_selector`; read when a Partitioner has mesh_rules but no selector.
-MESH_SELECTOR_ENV = "T5LITE_MESH_SELECTOR"
 
 
 def standard_logical_axis_rules(
@@ -230,7 +227,7 @@ class Partitioner:
       `mesh_selector`; the first match wins, so one gin file can serve
       several clusters.
     mesh_selector: string the rules are matched against; defaults to
-      $T5LITE_MESH_SELECTOR (--mesh_selector), else the device kind.
+      the device kind; `--mesh_selector` sets it.
     logical_axis_rules: rules; `standard_logical_axis_rules()` by default.
     devices: devices to build the mesh from; all devices by default.
   """
@@ -253,8 +250,7 @@ class Partitioner:
   def _resolved_mesh_shape(self) -> dict[str, int]:
     if self._mesh_rules:
       devices = self._devices or jax.devices()
-      selector = (self._mesh_selector or os.environ.get(MESH_SELECTOR_ENV)
-                  or devices[0].device_kind)
+      selector = self._mesh_selector or devices[0].device_kind
       shape = select_mesh_shape(self._mesh_rules, selector)
     elif self._mesh_shape is not None:
       shape = dict(self._mesh_shape)

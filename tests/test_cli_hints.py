@@ -157,3 +157,19 @@ def test_cli_input_errors_exit_2_in_one_line_and_write_nothing(tmp_path, args, e
   assert out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
   assert "Traceback" not in out.stderr
   assert not model_dir.exists()
+
+
+def test_mesh_selector_flag_picks_the_partitioners_mesh_rule(tmp_path, clean_gin):
+  import gin
+  from t5lite import partitioning
+  path = tmp_path / "rules.gin"
+  path.write_text("from __gin__ import dynamic_registration\n"
+                  "from t5lite import partitioning\n"
+                  "partitioning.Partitioner.mesh_rules = [('H100', {'model': 4}), ('.*', {'fsdp': -1})]\n"
+                  "partitioning.Partitioner.mesh_selector = 'from the file'\n")
+  cli.parse_gin([str(path)], [], [str(tmp_path)])
+  cli.select_mesh("NVIDIA H100 80GB HBM3")  # the flag wins over the file
+  p = gin.get_configurable(partitioning.Partitioner)()
+  with pytest.raises(ValueError, match=r"'model': 4\} has 4 devices, but there are 1;"):
+    p.validate()
+

@@ -102,18 +102,18 @@ def test_eight_fake_devices():
   assert out.stdout.strip().endswith("ok")
 
 
-def test_mesh_rules_first_match_wins_and_selector_env(monkeypatch):
+def test_mesh_rules_first_match_wins_and_the_selector_overrides_the_device_kind():
   rules = [("H100", {"fsdp": -1, "model": 8}), ("cpu", {"data": -1}), (".*", {"fsdp": -1})]
   assert partitioning.select_mesh_shape(rules, "NVIDIA H100 80GB HBM3") == {"fsdp": -1, "model": 8}
   assert partitioning.select_mesh_shape(rules, "cpu") == {"data": -1}
   assert partitioning.select_mesh_shape(rules, "TPU v5") == {"fsdp": -1}
   with pytest.raises(ValueError, match=r"No mesh rule matches 'TPU v5'; patterns are \['H100'\]"):
     partitioning.select_mesh_shape(rules[:1], "TPU v5")
-  # The device kind selects by default; the selector (flag/env) overrides it.
+  # The device kind selects by default; the selector (--mesh_selector) overrides it.
   p = partitioning.Partitioner(mesh_rules=[("no-such-device", {"model": 4}), (".*", {"fsdp": -1})])
   assert dict(p.mesh.shape)["fsdp"] == len(jax.devices())
-  monkeypatch.setenv(partitioning.MESH_SELECTOR_ENV, "no-such-device")
-  p = partitioning.Partitioner(mesh_rules=[("no-such-device", {"model": 4}), (".*", {"fsdp": -1})])
+  p = partitioning.Partitioner(mesh_rules=[("no-such-device", {"model": 4}), (".*", {"fsdp": -1})],
+                               mesh_selector="no-such-device")
   with pytest.raises(ValueError, match=r"has 4 devices, but there are 1"):
     p.validate()
 
