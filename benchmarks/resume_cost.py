@@ -31,7 +31,7 @@ def _train_data() -> train_lib.TrainData:
   def get(name):
     return gin.query_parameter(f"train_lib.train.{name}").scoped_configurable_fn()
   return train_lib.TrainData(get("model"), get("train_dataset_cfg"),
-                             partitioning.Partitioner(), prefetch_depth=0)
+                             partitioning.Partitioner(), prefetch_batches=0)
 
 
 def _dir_bytes(path: str) -> int:

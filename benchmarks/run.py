@@ -162,7 +162,7 @@ class BareLoop:
         model, partitioner, *train_lib.model_input_shapes(model, train_cfg))
     self.state: TrainState = partitioner.partition(init_fn, None, specs.shardings)(
         jax.random.key(0))
-    self.batch = next(train_lib.TrainData(model, train_cfg, partitioner, prefetch_depth=0))
+    self.batch = next(train_lib.TrainData(model, train_cfg, partitioner, prefetch_batches=0))
     self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.state.params)))
     shapes = {k: v.shape for k, v in self.batch.items()}
     self.flops_per_step = model.train_flops_per_step(shapes)
@@ -208,7 +208,7 @@ def train_loop(steps: int) -> tuple[list[float], list[float]]:
 def pipeline_rate(batches: int) -> float:
   """Batches/s the training input pipeline builds, device transfer included."""
   model, partitioner, train_cfg, _ = _objects()
-  data = train_lib.TrainData(model, train_cfg, partitioner, prefetch_depth=0)
+  data = train_lib.TrainData(model, train_cfg, partitioner, prefetch_batches=0)
   for _ in range(3):  # start tf.data's threads and buffers
     next(data)
   start = time.perf_counter()

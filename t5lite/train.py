@@ -342,15 +342,15 @@ class TrainData:
     model: gives the feature converter.
     cfg: the training dataset config.
     partitioner: gives the data layout and the batch shardings.
-    prefetch_depth: most batches built ahead of the step; 0 builds each one
+    prefetch_batches: most batches built ahead of the step; 0 builds each one
       when the loop asks for it.
   """
 
   def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
-               prefetch_depth: int = 2):
-    if prefetch_depth < 0:
+               prefetch_batches: int = 2):
+    if prefetch_batches < 0:
       raise ValueError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
-                       f"{prefetch_depth}.")
+                       f"{prefetch_batches}.")
     layout = partitioner.get_data_layout(cfg.batch_size)
     self.per_host = cfg.shard_by_host and layout.num_shards > 1
     shard = (layout.shard_id, layout.num_shards) if self.per_host else (0, 1)
@@ -361,7 +361,7 @@ class TrainData:
     self._make = functools.partial(datasets.get_dataset, cfg, *shard,
                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
-    self._depth = prefetch_depth
+    self._depth = prefetch_batches
     self._prefetcher: _Prefetcher | None = None
     self.skip(0)
     if self.per_host:

@@ -379,7 +379,7 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
 
   def train_data():
     return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
-                               prefetch_depth=0)
+                               prefetch_batches=0)
 
   want = [_batch_rows(b) for b in itertools.islice(train_data(), 6)]
   # A restart without a saved iterator fast-forwards a freshly built pipeline

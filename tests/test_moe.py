@@ -595,7 +595,7 @@ def _init(model, shapes=None):
 
 @functools.lru_cache(maxsize=None)
 def _moe_setup():
-  model = _model(_moe_config(), moe_aux_loss_weight=0.5, moe_z_loss_weight=0.25)
+  model = _model(_moe_config(), aux_loss_factor=0.5, router_z_loss_factor=0.25)
   return model, _init(model)
 
 
@@ -621,8 +621,8 @@ def test_config_validation_and_dense_defaults():
   with pytest.raises(ValueError, match=r"moe_layer_interval=2 layers, which must divide "
                                        r"num_encoder_layers=3"):
     _moe_config(scan_layers=True)
-  with pytest.raises(ValueError, match="moe_aux_loss_weight must be >= 0"):
-    _model(_moe_config(), moe_aux_loss_weight=-1.0)
+  with pytest.raises(ValueError, match="aux_loss_factor must be >= 0"):
+    _model(_moe_config(), aux_loss_factor=-1.0)
 
 
 def test_moe_loss_adds_weighted_aux_losses_and_reports_expert_metrics():
@@ -737,7 +737,7 @@ def test_scanned_moe_equals_unscanned_and_decoder_only_works():
   vocab = seqio.PassThroughVocabulary(32)
   decoder_only = models.DecoderOnlyModel(
       transformer.DecoderOnly(_moe_config(num_encoder_layers=0)), vocab, vocab,
-      optimizers.adafactor(0.01), moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0)
+      optimizers.adafactor(0.01), aux_loss_factor=0.0, router_z_loss_factor=0.0)
   d_params = _init(decoder_only, {"decoder_input_tokens": (1, _DEC_LEN)})
   assert "moe" in d_params["decoder"]["layers_3"] and "mlp" in d_params["decoder"]["layers_2"]
   _, d_sums = jax.jit(decoder_only.loss_fn)(d_params, batch, None)

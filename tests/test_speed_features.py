@@ -267,7 +267,7 @@ def test_flops_agree_with_xla_where_matmuls_dominate():
 # The training loop: prefetching and host syncs.
 
 
-def _train_data(prefetch_depth):
+def _train_data(prefetch_batches):
   from t5lite import partitioning
   from t5lite import train as train_lib
   from t5lite.data.datasets import DatasetConfig
@@ -276,7 +276,7 @@ def _train_data(prefetch_depth):
   cfg = DatasetConfig("t5lite_speed_numbers", {"inputs": 16, "targets": 8}, "train", 2,
                       shuffle=False, seed=0)
   return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
-                             prefetch_depth)
+                             prefetch_batches)
 
 
 def _tokens(batch):
@@ -285,7 +285,7 @@ def _tokens(batch):
 
 def test_prefetched_batches_equal_built_ones_and_leave_the_iterator_exact():
   want = [_tokens(b) for b in itertools.islice(_train_data(0), 9)]
-  data = _train_data(prefetch_depth=2)
+  data = _train_data(prefetch_batches=2)
   data.prefetch(3)
   got = [_tokens(next(data)) for _ in range(3)]
   # The thread stopped after the 3 batches asked for: the iterator, which a
@@ -311,13 +311,13 @@ def test_prefetch_passes_errors_on_and_refuses_to_overlap():
   prefetcher = train_lib._Prefetcher(broken, count=3, depth=2)
   with pytest.raises(OSError, match="disk gone"):
     prefetcher.get()
-  data = _train_data(prefetch_depth=1)
+  data = _train_data(prefetch_batches=1)
   data.prefetch(2)
   with pytest.raises(RuntimeError, match="before the previous batches were used"):
     data.prefetch(2)
   data.stop_prefetch()
   with pytest.raises(ValueError, match=r"prefetch_batches must be >= 0 .* got -1"):
-    _train_data(prefetch_depth=-1)
+    _train_data(prefetch_batches=-1)
 
 
 @pytest.mark.slow

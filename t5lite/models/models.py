@@ -129,8 +129,8 @@ class BaseModel(abc.ABC):
     input_vocabulary: vocabulary of the inputs.
     output_vocabulary: vocabulary of the targets.
     optimizer: optax transformation the trainer uses; never called here.
-    moe_aux_loss_weight: weight of the MoE load-balancing loss.
-    moe_z_loss_weight: weight of the MoE router z-loss.
+    aux_loss_factor: weight of the MoE load-balancing loss.
+    router_z_loss_factor: weight of the MoE router z-loss.
     decode_fn: the decoder `predict_batch` runs (see `t5lite.decoding`).
     max_decode_length: tokens decoded per example, or None for the length
       of the batch's `decoder_input_tokens`.
@@ -144,7 +144,7 @@ class BaseModel(abc.ABC):
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | None = None,
-               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3,
+               aux_loss_factor: float = 1e-2, router_z_loss_factor: float = 1e-3,
                decode_fn: Callable[..., tuple[Array, Array]] | None = None,
                max_decode_length: int | None = None):
     """Builds the model.
@@ -158,9 +158,9 @@ class BaseModel(abc.ABC):
       label_smoothing: in [0, 1).
       loss_normalizing_factor: constant divisor of the summed loss; None
         divides by the sum of the batch's loss weights.
-      moe_aux_loss_weight: weight of the load-balancing loss of MoE layers
+      aux_loss_factor: weight of the load-balancing loss of MoE layers
         (averaged over layers); unused by dense networks.
-      moe_z_loss_weight: weight of the router z-loss of MoE layers (averaged
+      router_z_loss_factor: weight of the router z-loss of MoE layers (averaged
         over layers); unused by dense networks.
       decode_fn: a decoder with the signature of `decoding.greedy` (the
         default when None), e.g. `decoding.beam_search` or
@@ -174,8 +174,8 @@ class BaseModel(abc.ABC):
         loss_normalizing_factor or max_decode_length, or a decode_fn that is
         not callable.
     """
-    for name, value in (("z_loss", z_loss), ("moe_aux_loss_weight", moe_aux_loss_weight),
-                        ("moe_z_loss_weight", moe_z_loss_weight)):
+    for name, value in (("z_loss", z_loss), ("aux_loss_factor", aux_loss_factor),
+                        ("router_z_loss_factor", router_z_loss_factor)):
       if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}.")
     if not 0.0 <= label_smoothing < 1.0:
@@ -196,8 +196,8 @@ class BaseModel(abc.ABC):
     self.z_loss = z_loss
     self.label_smoothing = label_smoothing
     self.loss_normalizing_factor = loss_normalizing_factor
-    self.moe_aux_loss_weight = moe_aux_loss_weight
-    self.moe_z_loss_weight = moe_z_loss_weight
+    self.aux_loss_factor = aux_loss_factor
+    self.router_z_loss_factor = router_z_loss_factor
     self.decode_fn = decode_fn or decoding.greedy
     self.max_decode_length = max_decode_length
 
@@ -317,8 +317,8 @@ class BaseModel(abc.ABC):
     """
     if not moe_metrics:
       return loss
-    aux = (self.moe_aux_loss_weight * moe_metrics[moe.AUXILIARY_LOSS]
-           + self.moe_z_loss_weight * moe_metrics[moe.ROUTER_Z_LOSS])
+    aux = (self.aux_loss_factor * moe_metrics[moe.AUXILIARY_LOSS]
+           + self.router_z_loss_factor * moe_metrics[moe.ROUTER_Z_LOSS])
     for name, value in moe_metrics.items():
       sums[f"experts/{name}"] = value / num_microbatches
     return loss + aux / num_microbatches
@@ -329,8 +329,8 @@ class BaseModel(abc.ABC):
     """Normalized training loss and summed statistics.
 
     loss = sum(weight * (cross_ent + z_loss * logsumexp(logits)**2))
-    / loss_normalizer, plus for MoE networks `(moe_aux_loss_weight *
-    auxiliary_loss + moe_z_loss_weight * router_z_loss) / num_microbatches`
+    / loss_normalizer, plus for MoE networks `(aux_loss_factor *
+    auxiliary_loss + router_z_loss_factor * router_z_loss) / num_microbatches`
     with both averaged over MoE layers. Passing the full batch's normalizer to each
     microbatch makes the microbatch losses (and gradients) add up to the
     full batch's.
@@ -597,7 +597,7 @@ class DecoderOnlyModel(BaseModel):
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | None = None,
                inputs_bidirectional_attention: bool = False,
-               moe_aux_loss_weight: float = 1e-2, moe_z_loss_weight: float = 1e-3,
+               aux_loss_factor: float = 1e-2, router_z_loss_factor: float = 1e-3,
                decode_fn: Callable[..., tuple[Array, Array]] | None = None,
                max_decode_length: int | None = None):
     """Builds the model; arguments as in `BaseModel`.
@@ -612,16 +612,16 @@ class DecoderOnlyModel(BaseModel):
       loss_normalizing_factor: constant divisor, or None for the weight sum.
       inputs_bidirectional_attention: prefix-LM: bidirectional attention over
         the inputs part of each example.
-      moe_aux_loss_weight: weight of the MoE load-balancing loss.
-      moe_z_loss_weight: weight of the MoE router z-loss.
+      aux_loss_factor: weight of the MoE load-balancing loss.
+      router_z_loss_factor: weight of the MoE router z-loss.
       decode_fn: decoder for `predict_batch`; None is `decoding.greedy`.
       max_decode_length: continuation tokens to decode; None is the length
         of the batch's `decoder_input_tokens`.
     """
     super().__init__(module, input_vocabulary, output_vocabulary, optimizer, z_loss,
                      label_smoothing, loss_normalizing_factor,
-                     moe_aux_loss_weight=moe_aux_loss_weight,
-                     moe_z_loss_weight=moe_z_loss_weight, decode_fn=decode_fn,
+                     aux_loss_factor=aux_loss_factor,
+                     router_z_loss_factor=router_z_loss_factor, decode_fn=decode_fn,
                      max_decode_length=max_decode_length)
     self.inputs_bidirectional_attention = inputs_bidirectional_attention
     if inputs_bidirectional_attention:
