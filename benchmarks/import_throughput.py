@@ -49,7 +49,7 @@ import numpy as np
 import optax
 from safetensors import numpy as safetensors_numpy
 
-from t5lite import interop
+from t5lite import interop, tree_paths
 from t5lite.data import vocabularies
 from t5lite.interop import huggingface
 from t5lite.models import models
@@ -111,16 +111,11 @@ def abstract_params(fields: dict[str, Any]) -> Any:
   return nn.unbox(boxed["params"])
 
 
-def _flatten(tree: Any) -> dict[str, Any]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
-
-
 def generate(folder: str, fields: dict[str, Any], seed: int) -> int:
   """Writes a Hugging Face folder of random weights; returns the parameter count."""
   rng = np.random.default_rng(seed)
   params = {name: rng.standard_normal(leaf.shape, np.float32)
-            for name, leaf in _flatten(abstract_params(fields)).items()}
+            for name, leaf in tree_paths.leaves_by_name(abstract_params(fields)).items()}
   huggingface.export(params, fields, folder)
   return sum(p.size for p in params.values())
 

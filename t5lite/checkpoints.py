@@ -22,6 +22,8 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 
+from t5lite import tree_paths
+
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
 _DATASET = "dataset"
@@ -214,16 +216,8 @@ def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only
   return ocp.CheckpointManager(directory, options=options, item_names=(_ITEM, _DATASET))
 
 
-def _key_name(key: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+  return {name: tuple(leaf.shape) for name, leaf in tree_paths.leaves_by_name(tree).items()}
 
 
 def _saved_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
@@ -738,8 +732,7 @@ def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndar
   restored = ocp.PyTreeCheckpointer().restore(
       state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                              partial_restore=True))
-  flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
-  return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+  return tree_paths.leaves_by_name(restored["params"])
 
 
 def load_params(plan: ParamsRestorePlan, params: Any) -> Any:
@@ -759,7 +752,7 @@ def load_params(plan: ParamsRestorePlan, params: Any) -> Any:
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
 
   def place(path: Any, fresh: jax.Array) -> jax.Array:
-    source = plan.sources.get("/".join(_key_name(k) for k in path))
+    source = plan.sources.get(tree_paths.path_name(path))
     if source is None:
       return fresh
     value = np.asarray(host[source]).astype(fresh.dtype)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
 from t5lite import train as train_lib
+from t5lite import tree_paths
 from t5lite.data.datasets import DatasetConfig
 
 # Longest list of steps printed in full; longer ones show their ends.
@@ -194,15 +195,11 @@ def model_input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
   return ({k: (1, n) for k, n in lengths.items()}, {k: np.int32 for k in lengths})
 
 
-def _path_name(path: Sequence[Any]) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def param_rows(specs: train_lib.StateSpecs, partitioner: Any) -> list[ParamRow]:
   """One row per parameter: path, shape, logical axes and mesh axes."""
   flat = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
   logical = jax.tree.leaves(specs.logical.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-  return [ParamRow(name=_path_name(path), shape=tuple(leaf.shape), logical=tuple(spec),
+  return [ParamRow(name=tree_paths.path_name(path), shape=tuple(leaf.shape), logical=tuple(spec),
                    mesh=tuple(partitioner.logical_to_mesh_spec(spec)))
           for (path, leaf), spec in zip(flat, logical)]
 

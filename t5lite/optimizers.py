@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t5lite import tree_paths
+
 Schedule = optax.Schedule
 PathScales = Union[Mapping[str, float], Sequence[tuple[str, float]]]
 
@@ -209,22 +211,14 @@ def _compile_path_rules(rules: PathScales | None, argument: str) -> tuple[_PathR
   return tuple(compiled)
 
 
-def _key_name(key: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _paths(tree: Any) -> list[str]:
-  return ["/".join(_key_name(k) for k in path)
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return list(tree_paths.leaves_by_name(tree))
 
 
 def _scales_by_path(tree: Any, rules: tuple[_PathRule, ...]) -> Any:
   """A tree like `tree` of Python floats: the first matching rule's scale, else 1."""
   def scale(path, _):
-    name = "/".join(_key_name(k) for k in path)
+    name = tree_paths.path_name(path)
     return next((r.scale for r in rules if r.pattern.fullmatch(name)), 1.0)
   return jax.tree_util.tree_map_with_path(scale, tree)
 

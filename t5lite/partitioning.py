@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from t5lite import axis_names as ax
+from t5lite import tree_paths
 
 MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
 # The batch dimension is split over every mesh axis that does not split
@@ -308,9 +309,8 @@ class Partitioner:
         names = (axes,) if isinstance(axes, str) else tuple(axes or ())
         parts = math.prod(self.mesh.shape[n] for n in names)
         if size % parts:
-          name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
           raise ValueError(
-              f"{name} has shape {tuple(leaf.shape)} with logical axes {tuple(logical)}, but "
+              f"{tree_paths.path_name(path)} has shape {tuple(leaf.shape)} with logical axes {tuple(logical)}, but "
               f"its dimension of size {size} is split over mesh axes {names} of total size "
               f"{parts}; choose sizes it divides (e.g. NUM_MODEL_PARTITIONS or the model "
               "dimensions) or change the partitioning rules.")

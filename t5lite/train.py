@@ -33,6 +33,7 @@ from t5lite import inference
 from t5lite import interop
 from t5lite import metrics as metrics_lib
 from t5lite import run_lock
+from t5lite import tree_paths
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
@@ -595,7 +596,7 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   lines, total = [], 0
   for (key_path, leaf), logical in zip(flat_abs, flat_log):
-    name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+    name = tree_paths.path_name(key_path)
     mesh_spec = partitioner.logical_to_mesh_spec(logical)
     total += int(np.prod(leaf.shape))
     lines.append(f"Variable {name:60s} size {int(np.prod(leaf.shape)):<12d} "

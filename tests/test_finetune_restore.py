@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5lite import checkpoints, cli, testing
+from t5lite import checkpoints, cli, testing, tree_paths
 from t5lite import train as train_lib
 from t5lite.checkpoints import CheckpointConfig, RestoreCheckpointConfig, SaveCheckpointConfig
 from t5lite.data.datasets import DatasetConfig
@@ -29,8 +29,8 @@ WI = "encoder/layers_0/mlp/wi_0/kernel"
 
 
 def _flat(tree):
-  flat = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
-  return {"/".join(checkpoints._key_name(k) for k in path): np.asarray(x) for path, x in flat}
+  return {name: np.asarray(x)
+          for name, x in tree_paths.leaves_by_name(jax.device_get(tree)).items()}
 
 
 def _train(monkeypatch, model_dir, restore=None, model=None, total_steps=2):

@@ -120,7 +120,7 @@ _COMMON = """
 import json, os, sys
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from t5lite import optimizers, partitioning as pt, testing
+from t5lite import optimizers, partitioning as pt, testing, tree_paths
 from t5lite import train as train_lib
 from t5lite.data.datasets import DatasetConfig, get_dataset
 
@@ -147,13 +147,10 @@ def make_model(kind, **overrides):
                         seed=0, pack=True)
   return model, cfg
 
-def leaf_name(path):
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
 def named_leaves(tree):
   is_spec = lambda x: isinstance(x, P)
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)[0]
-  return {leaf_name(path): x for path, x in flat}
+  return {tree_paths.path_name(path): x for path, x in flat}
 
 def lookup(named, key):
   # 'params/...' is a parameter; 'v_row:<param>' the optimizer field of one.

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from t5lite import tree_paths
 from t5lite.interop import gin_file
 from t5lite.interop import huggingface
 from t5lite.interop import lazy
@@ -98,11 +99,6 @@ def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
                    "Face folder (config.json + *.safetensors).")
 
 
-def _flatten(tree: Any) -> dict[str, Any]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
-
-
 def _block_interval(targets: dict[str, Any], stack: str) -> int:
   """Layers per scanned block of a scanned MoE stack (`stack/layers/layers_{j}`)."""
   positions = {int(m.group(1)) for name in targets
@@ -147,7 +143,7 @@ def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: 
       checkpoint, an array the model has no place for (another
       architecture), or a shape that differs from the gin file's.
   """
-  targets = _flatten(abstract_params)
+  targets = tree_paths.leaves_by_name(abstract_params)
   used, chosen, missing, shapes = set(), {}, [], []
   for name, target in targets.items():
     wanted = [name] if name in sources else _source_names(name, target, targets)
@@ -203,8 +199,7 @@ def load_params(path: str, abstract_params: Any) -> Any:
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
   leaves = []
   for key_path, target in flat:
-    name = "/".join(str(getattr(k, "key", k)) for k in key_path)
-    leaves.append(lazy.materialize(chosen[name], target))
+    leaves.append(lazy.materialize(chosen[tree_paths.path_name(key_path)], target))
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -266,7 +261,7 @@ def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
   """
   from jax.experimental import multihost_utils
   host = {name: np.asarray(multihost_utils.process_allgather(value, tiled=True))
-          for name, value in _flatten(params).items()}
+          for name, value in tree_paths.leaves_by_name(params).items()}
   if not write:
     return []
   spiece = getattr(vocabulary, "sentencepiece_model_file", None)
