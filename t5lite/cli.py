@@ -129,15 +129,12 @@ def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
                    "check the path or add its directory with --gin_search_paths.")
 
 
-_PARTITIONER = "t5lite.partitioning.Partitioner"
-
-
 def select_mesh(selector: str) -> None:
   """`--mesh_selector`: the `mesh_selector` argument of the Partitioner the
   run configs build, over whatever the gin files bound."""
   import gin
   with gin.unlock_config():
-    gin.bind_parameter(f"{_PARTITIONER}.mesh_selector", selector)
+    gin.bind_parameter("t5lite.partitioning.Partitioner.mesh_selector", selector)
 
 
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:

@@ -212,7 +212,7 @@ def _compile_path_rules(rules: PathScales | None, argument: str) -> tuple[_PathR
 
 
 def _paths(tree: Any) -> list[str]:
-  return list(tree_paths.leaves_by_name(tree))
+  return [tree_paths.path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _scales_by_path(tree: Any, rules: tuple[_PathRule, ...]) -> Any:
