@@ -107,12 +107,15 @@ atexit.register(lambda: print("RuntimeError: noise at shutdown", file=sys.stderr
 """
 _NOISY_THREAD = """
 import sys, threading, time
+printed = threading.Event()
 def noise():
   while True:
     sys.stderr.write("noise from a library thread\\n")
     sys.stderr.flush()
+    printed.set()
     time.sleep(0.0002)
 threading.Thread(target=noise, daemon=True).start()
+printed.wait()  # it has printed before the run stops, however busy the machine
 """
 
 
