@@ -379,6 +379,7 @@ def initialize(config: DistributedConfig) -> None:
         initialization_timeout=timeout + _NAMING_GRACE_S + _JAX_BACKSTOP_S,
         heartbeat_timeout_seconds=config.heartbeat_timeout + _JAX_BACKSTOP_S)
   if job.process_count > 1:
+    jax_internals.write_compilation_cache_in_every_process()
     _WATCHDOG = Watchdog(jax_internals.coordination_client(), job, config.heartbeat_timeout)
     _WATCHDOG.start()
 

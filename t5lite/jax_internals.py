@@ -14,6 +14,9 @@ calls every function, fails naming it. What each is for:
   joined; the watchdog reads peers' heartbeats and failures through it.
 - `registered_platforms`: the platform names JAX can start, to name an unknown
   `JAX_PLATFORMS` value before JAX fails on it deep inside start-up.
+- `write_compilation_cache_in_every_process`: JAX writes the persistent
+  compilation cache from process 0 only; in a multi-process CPU job, whose
+  cache keys differ per process, every process writes its own.
 """
 
 from __future__ import annotations
@@ -47,3 +50,33 @@ def registered_platforms() -> set[str]:
   """Names (and aliases) of the platforms JAX has a backend factory for."""
   from jax._src import xla_bridge
   return {*xla_bridge._backend_factories, *xla_bridge._platform_aliases}  # noqa: SLF001
+
+
+def write_compilation_cache_in_every_process() -> None:
+  """Lets every process of a CPU job write the persistent compilation cache.
+
+  JAX writes cache entries from process 0 only: on GPUs and TPUs a program's
+  key is the same in every process, and one writer avoids contention on
+  shared filesystems. On CPUs the key names the process, so the other
+  processes would find nothing on a restart and compile everything again;
+  with this each writes its own CPU entries. Other platforms are unchanged.
+  """
+  from jax._src import compiler, distributed
+  write = compiler._cache_write  # noqa: SLF001
+  if getattr(write, "in_every_process", False):
+    return
+
+  def write_in_every_process(cache_key: str, compile_time_secs: float, module_name: str,
+                             backend: Any, executable: Any, host_callbacks: Any) -> None:
+    state = distributed.global_state
+    if backend.platform != "cpu" or state.process_id == 0:
+      write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+      return
+    process_id, state.process_id = state.process_id, 0
+    try:
+      write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+    finally:
+      state.process_id = process_id
+
+  write_in_every_process.in_every_process = True
+  compiler._cache_write = write_in_every_process  # noqa: SLF001

@@ -50,3 +50,35 @@ def test_no_other_module_reaches_into_jax_private_modules():
           if "jax._src" in f.read():
             offenders.append(os.path.relpath(path, root))
   assert not offenders, offenders
+
+
+_WRITE_AS_PROCESS_1 = """
+import os, sys
+import jax, jax.numpy as jnp
+from jax._src import distributed
+from t5lite import jax_internals
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+distributed.global_state.process_id = 1  # as process 1 of a job sees itself
+if sys.argv[2] == "every":
+  jax_internals.write_compilation_cache_in_every_process()
+  jax_internals.write_compilation_cache_in_every_process()  # twice wraps once
+jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+assert distributed.global_state.process_id == 1
+print(sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_processes_other_than_0_write_the_compilation_cache_when_told(tmp_path):
+  # JAX alone writes nothing from process 1; after the call it writes that
+  # process's entry, and leaves the process index as it was.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  written = {}
+  for mode in ("jax", "every"):
+    cache = tmp_path / mode
+    out = subprocess.run([sys.executable, "-c", _WRITE_AS_PROCESS_1, str(cache), mode],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    written[mode] = [n for n in os.listdir(cache) if n.startswith("jit_")] if cache.exists() else []
+  assert written["jax"] == []
+  assert any(n.startswith("jit__lambda-") for n in written["every"]), written
