@@ -23,14 +23,14 @@ import gin
 import tensorflow as tf
 
 from t5lite import cli, partitioning
-from t5lite import train as train_lib
+from t5lite import feeder
 
 
-def _train_data() -> train_lib.TrainData:
+def _train_data() -> feeder.TrainData:
   """The training data the gin files configure, as `train()` would build it."""
   def get(name):
     return gin.query_parameter(f"train_lib.train.{name}").scoped_configurable_fn()
-  return train_lib.TrainData(get("model"), get("train_dataset_cfg"),
+  return feeder.TrainData(get("model"), get("train_dataset_cfg"),
                              partitioning.Partitioner(), prefetch_batches=0)
 
 

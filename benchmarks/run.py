@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5lite import cli
+from t5lite import feeder
+from t5lite import state_init
 from t5lite import train as train_lib
 from t5lite.train_state import TrainState
 
@@ -158,11 +160,12 @@ class BareLoop:
 
   def __init__(self):
     model, partitioner, train_cfg, trainer = _objects()
-    specs, init_fn = train_lib.state_specs(
-        model, partitioner, *train_lib.model_input_shapes(model, train_cfg))
+    specs, init_fn = state_init.state_specs(
+        model, partitioner,
+        *model.input_shapes_and_types(train_cfg.task_feature_lengths, train_cfg.pack))
     self.state: TrainState = partitioner.partition(init_fn, None, specs.shardings)(
         jax.random.key(0))
-    self.batch = next(train_lib.TrainData(model, train_cfg, partitioner, prefetch_batches=0))
+    self.batch = next(feeder.TrainData(model, train_cfg, partitioner, prefetch_batches=0))
     self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.state.params)))
     shapes = {k: v.shape for k, v in self.batch.items()}
     self.flops_per_step = model.train_flops_per_step(shapes)
@@ -208,7 +211,7 @@ def train_loop(steps: int) -> tuple[list[float], list[float]]:
 def pipeline_rate(batches: int) -> float:
   """Batches/s the training input pipeline builds, device transfer included."""
   model, partitioner, train_cfg, _ = _objects()
-  data = train_lib.TrainData(model, train_cfg, partitioner, prefetch_batches=0)
+  data = feeder.TrainData(model, train_cfg, partitioner, prefetch_batches=0)
   for _ in range(3):  # start tf.data's threads and buffers
     next(data)
   start = time.perf_counter()
@@ -226,8 +229,8 @@ def compile_seconds(gin_file: str, layers: int, scan: bool) -> tuple[float, floa
       f"transformer.TransformerConfig.num_decoder_layers = {layers}",
       f"transformer.TransformerConfig.scan_layers = {scan}"])
   model, partitioner, train_cfg, trainer = _objects()
-  shapes, types = train_lib.model_input_shapes(model, train_cfg)
-  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  shapes, types = model.input_shapes_and_types(train_cfg.task_feature_lengths, train_cfg.pack)
+  specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size,) + s[1:], types[k],
                                    sharding=partitioner.batch_sharding(len(s)))
            for k, s in shapes.items()}

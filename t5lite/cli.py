@@ -538,7 +538,7 @@ def _say_last(line: str) -> None:
 
 
 def _training_stopped() -> type[Exception]:
-  from t5lite.train import TrainingStopped
+  from t5lite.stops import TrainingStopped
   return TrainingStopped
 
 

@@ -39,9 +39,13 @@ from jax.sharding import PartitionSpec
 
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
+from t5lite import divergence
+from t5lite import state_init
+from t5lite import train_eval
 from t5lite import train as train_lib
 from t5lite import tree_paths
 from t5lite.data.datasets import DatasetConfig
+from t5lite.periods import Periods
 
 # Longest list of steps printed in full; longer ones show their ends.
 _MAX_LISTED_STEPS = 8
@@ -139,7 +143,7 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
              loss_spike_window: int, resume_step: int | None = None, **unused: Any) -> Report:
   """The dry run's findings for `train()`'s arguments (see `run`)."""
   del unused  # loop options (prefetching, config summary) change nothing here
-  train_lib.DivergenceLimits(max_update_ratio=max_update_ratio,
+  divergence.DivergenceLimits(max_update_ratio=max_update_ratio,
                              loss_spike_factor=loss_spike_factor,
                              loss_spike_window=loss_spike_window)  # refused as train() does
   # A seed drawn from the clock changes no shape, so any seed will do.
@@ -150,8 +154,9 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
       partitioner=partitioner, model_dir=model_dir, actions=actions, total_steps=total_steps,
       eval_period=eval_period, gc_period=gc_period, stats_period=stats_period,
       peak_flops_per_device=peak_flops_per_device)
-  shapes, types = model_input_shapes(model, train_dataset_cfg)
-  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  shapes, types = model.input_shapes_and_types(train_dataset_cfg.task_feature_lengths,
+                                               train_dataset_cfg.pack)
+  specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   partitioner.check_divisible(specs.abstract, specs.logical)
   rows = param_rows(specs, partitioner)
   microbatches = getattr(trainer, "num_microbatches", None) or 1
@@ -183,19 +188,7 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
 # Model and parameters
 
 
-def model_input_shapes(model: Any, cfg: DatasetConfig) -> tuple[dict, dict]:
-  """Batch-1 shapes and dtypes of the model features, from the feature converter.
-
-  The same features the training pipeline yields (`train.TrainData`), read
-  from seqio's converter instead of a built tf.data pipeline; every feature
-  is int32, as `datasets.get_dataset` casts them.
-  """
-  converter = model.FEATURE_CONVERTER_CLS(pack=cfg.pack)
-  lengths = converter.get_model_feature_lengths(dict(cfg.task_feature_lengths))
-  return ({k: (1, n) for k, n in lengths.items()}, {k: np.int32 for k in lengths})
-
-
-def param_rows(specs: train_lib.StateSpecs, partitioner: Any) -> list[ParamRow]:
+def param_rows(specs: state_init.StateSpecs, partitioner: Any) -> list[ParamRow]:
   """One row per parameter: path, shape, logical axes and mesh axes."""
   flat = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
   logical = jax.tree.leaves(specs.logical.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -296,7 +289,7 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
   return total
 
 
-def _checkpoint_bytes(specs: train_lib.StateSpecs,
+def _checkpoint_bytes(specs: state_init.StateSpecs,
                       save: ckpt_lib.SaveCheckpointConfig | None) -> int:
   """Bytes of one checkpoint: parameters (in the save dtype) and optimizer state."""
   params = jax.tree.leaves(specs.abstract.params)
@@ -323,7 +316,7 @@ def data_lines(train_cfg: DatasetConfig, eval_cfg: DatasetConfig | None,
       + (f"; {microbatches} microbatches" if microbatches > 1 else ""),
   ]
   if eval_cfg is not None:
-    names = train_lib.eval_task_names(eval_cfg)
+    names = train_eval.eval_task_names(eval_cfg)
     lines.append(f"train-eval  {_dataset(eval_cfg)}; {eval_steps} batches of "
                  f"{eval_cfg.batch_size}" + (f"; per task: {', '.join(names[1:])}"
                                               if len(names) > 1 else ""))
@@ -339,38 +332,33 @@ def _dataset(cfg: DatasetConfig) -> str:
 
 def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None,
            resume_step: int | None = None) -> tuple[int, str]:
-  """The step a run starts at, found the way `train.init_or_restore` does,
-  reading checkpoints without creating any directory."""
-  plan = ckpt_lib.plan_resume(model_dir, resume_step)
-  if plan.candidates:
-    step = max(plan.candidates)
-    if not plan.aside_subdir:
-      return step, f"resumes from checkpoint {step} in MODEL_DIR"
+  """The step a run starts at (`state_init.find_start`), and in words."""
+  start = state_init.find_start(model_dir, restore, resume_step)
+  step, plan = start.step, start.plan
+  if start.kind == "resume" and not plan.aside_subdir:
+    return step, f"resumes from checkpoint {step} in MODEL_DIR"
+  if start.kind == "resume":
     return step, (f"resumes from checkpoint {step} in MODEL_DIR, train.resume_step; newer "
                   f"steps {list(plan.set_aside)} move to MODEL_DIR/{plan.aside_subdir}")
-  if restore is not None and restore.path and restore.params_only:
+  if start.kind in ("import", "params"):
     return 0, f"parameters from {restore.path}, step 0"
-  if restore is not None and restore.path:
-    _, step = ckpt_lib.resolve_restore_path(restore)
+  if start.kind == "restore":
     return step, f"restores step {step} from {restore.path}"
   return 0, "fresh start"
 
 
-def schedule(*, periods: train_lib.Periods, model_dir: str,
+def schedule(*, periods: Periods, model_dir: str,
              checkpoint_cfg: ckpt_lib.CheckpointConfig, total_steps: int,
              relative_steps: int | None, evaluators: str, eval_at_start: bool,
              resume_step: int | None = None) -> Schedule:
-  """The steps the loop checkpoints and evaluates at (see `train._end_of_epoch`)."""
+  """The steps the loop checkpoints and evaluates at (`Periods.saves_at`, `.evaluates_at`)."""
   start, start_from = _start(model_dir, checkpoint_cfg.restore, resume_step)
   end = start + relative_steps if relative_steps is not None else total_steps
   steps = range(start + 1, end + 1)
-  saves: tuple[int, ...] = ()
-  if periods.checkpoint:
-    saves = tuple(s for s in steps if s % periods.checkpoint == 0 or s == end
-                  or s in periods.checkpoint_steps)
+  saves = tuple(s for s in steps if periods.saves_at(s, end))
   evals: tuple[int, ...] = ()
   if evaluators:
-    evals = tuple(s for s in steps if s % periods.eval == 0 or s == end)
+    evals = tuple(s for s in steps if periods.evaluates_at(s, end))
     if eval_at_start and start < end:
       evals = (start,) + evals
   return Schedule(start=start, start_from=start_from, end=end, epoch=periods.epoch,

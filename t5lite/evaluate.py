@@ -24,13 +24,14 @@ import numpy as np
 import seqio
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import interop
 from t5lite import inference
+from t5lite import interop
 from t5lite import metrics as metrics_lib
-from t5lite import train as train_lib
+from t5lite import state_init
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
+from t5lite.train_eval import TrainEvaluator
 
 EVALUATED_STEPS_FILE = "evaluated_steps.json"
 _MODES = ("specific", "latest", "all")
@@ -81,19 +82,11 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _input_shapes(model: Any, lengths: Mapping[str, int]) -> tuple[dict, dict]:
-  """Model input shapes (batch 1) for the feature lengths, from one dummy example."""
-  converter = model.FEATURE_CONVERTER_CLS(pack=False)
-  dummy = inference.examples_from_texts(["x"], model.input_vocabulary)
-  spec = converter(dummy, dict(lengths)).element_spec
-  return ({k: (1,) + tuple(v.shape) for k, v in spec.items()},
-          {k: v.dtype.as_numpy_dtype for k, v in spec.items()})
-
-
 def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str, int],
                      directory: str):
   """Returns (params shardings, restore(step) -> params) for the checkpoints."""
-  specs, _ = train_lib.state_specs(model, partitioner, *_input_shapes(model, lengths))
+  specs, _ = state_init.state_specs(model, partitioner,
+                                   *model.input_shapes_and_types(lengths, pack=False))
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
 
@@ -157,7 +150,7 @@ def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner
       params_shardings=params_shardings, output_dir=output_dir, num_examples=num_examples)
   train_eval = None
   if train_eval_dataset_cfg is not None:
-    train_eval = train_lib.TrainEvaluator(
+    train_eval = TrainEvaluator(
         model=model, cfg=train_eval_dataset_cfg, partitioner=partitioner,
         trainer=trainer_cls(model=model, partitioner=partitioner),
         params_shardings=params_shardings, eval_steps=eval_steps, model_dir=output_dir)
@@ -261,7 +254,7 @@ def _predict_examples(model: Any, runner: inference.BatchRunner, params: Any, ex
     return tokens, aux["scores"]
   rows = runner.run("predict", fn, params, features)
   vocabulary = model.output_vocabulary
-  return [(vocabulary.decode(inference._token_list(t)), float(s)) for _, (t, s) in rows]
+  return [(vocabulary.decode(inference.token_list(t)), float(s)) for _, (t, s) in rows]
 
 
 def infer(*, model: Any, partitioner: Partitioner,

@@ -110,7 +110,7 @@ class BatchRunner:
     return out
 
 
-def _token_list(tokens: np.ndarray) -> list[int]:
+def token_list(tokens: np.ndarray) -> list[int]:
   """Tokens up to (not including) the first padding 0."""
   tokens = np.asarray(tokens)
   stop = np.flatnonzero(tokens == 0)

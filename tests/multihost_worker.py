@@ -47,7 +47,7 @@ def _data() -> dict:
   from jax.experimental import multihost_utils
 
   from t5lite import partitioning, testing
-  from t5lite import train as train_lib
+  from t5lite import feeder
   from t5lite.data import datasets
   cfg = data_config()
   partitioner = partitioning.Partitioner(mesh_shape={"data": -1})
@@ -56,7 +56,7 @@ def _data() -> dict:
   # The global pipeline every process builds: one shard at the global batch size.
   whole = next(datasets.get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS)
                .as_numpy_iterator())["encoder_input_tokens"]
-  batch = next(train_lib.TrainData(model, cfg, partitioner))
+  batch = next(feeder.TrainData(model, cfg, partitioner))
   inputs = batch["encoder_input_tokens"]
   # Every device of this process holds its rows of that global batch.
   placed = all(np.array_equal(np.asarray(s.data), whole[s.index[0]])

@@ -374,11 +374,11 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
   import jax.numpy as jnp
 
   from t5lite import checkpoints, partitioning, testing
-  from t5lite import train as train_lib
+  from t5lite import feeder
   cfg = _config(tasks.SPAN_CORRUPTION, shuffle=True, pack=True)
 
   def train_data():
-    return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
+    return feeder.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
                                prefetch_batches=0)
 
   want = [_batch_rows(b) for b in itertools.islice(train_data(), 6)]

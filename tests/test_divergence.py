@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from t5lite.train import SPIKE_STEPS, DivergenceCheck, DivergenceLimits
+from t5lite.divergence import SPIKE_STEPS, DivergenceCheck, DivergenceLimits
 
 
 def _step(loss=2.0, grad_norm=1.0, param_norm=50.0, update_ratio=0.01, **extra):

@@ -1,8 +1,9 @@
 """`t5lite-train --dry_run`: the real console script on the tiny and the headline
 config, its schedule against the loop's rules, and its memory estimate."""
 
-import math
+import dataclasses
 import io
+import math
 import os
 import re
 import subprocess
@@ -16,8 +17,11 @@ from test_cli import BIN, TINY
 from t5lite import checkpoints as ckpt_lib
 from t5lite import cli
 from t5lite import dry_run
+from t5lite import state_init
 from t5lite import testing
 from t5lite import train as train_lib
+from t5lite.data import datasets
+from t5lite.periods import compute_periods
 
 MOE = ["--gin_file=gin/pretrain_moe.gin"]
 
@@ -41,7 +45,7 @@ def expected_counts(args):
   """Parameter counts from jax.eval_shape of the model's own initialisation."""
   kwargs = train_arguments(args)
   model, cfg = kwargs["model"], kwargs["train_dataset_cfg"]
-  shapes, types = train_lib.model_input_shapes(model, cfg)
+  shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
   params = jax.eval_shape(lambda: model.get_initial_variables(
       jax.random.key(0), shapes, types))["params"]
   counts = {name: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(sub))
@@ -174,7 +178,7 @@ def _schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra
               relative=None, at_start=False, restore=None):
   save = ckpt_lib.SaveCheckpointConfig(period=ckpt, keep=keep, keep_every_n_steps=every,
                                        checkpoint_steps=extra)
-  periods = train_lib.compute_periods(total_steps=total, eval_period=eval_,
+  periods = compute_periods(total_steps=total, eval_period=eval_,
                                       checkpoint_period=ckpt, gc_period=0, stats_period=None,
                                       checkpoint_steps=extra)
   return dry_run.schedule(periods=periods, model_dir=str(model_dir),
@@ -217,17 +221,24 @@ def test_schedule_resumes_from_model_dir_then_restore_path(tmp_path):
 def _estimate(args, examples):
   kwargs = train_arguments(args)
   model, partitioner = kwargs["model"], kwargs["partitioner"]
-  shapes, types = dry_run.model_input_shapes(model, kwargs["train_dataset_cfg"])
-  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  cfg = kwargs["train_dataset_cfg"]
+  shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
+  specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   return dry_run.activation_bytes(model, shapes, types, specs.abstract.params, examples), (
       kwargs, shapes, types, specs)
 
 
-def test_input_shapes_match_the_training_pipeline(clean_gin):
+def test_input_shapes_are_those_of_the_training_batches(clean_gin):
+  # The model's answer, which training, the dry run and t5lite-eval all
+  # initialise from, against what the pipeline really yields.
   kwargs = train_arguments([*TINY, "--gin.MODEL_DIR='x'"])
-  cfg = kwargs["train_dataset_cfg"]
-  assert dry_run.model_input_shapes(kwargs["model"], cfg) == train_lib.model_input_shapes(
-      kwargs["model"], cfg)
+  model = kwargs["model"]
+  for pack in (True, False):
+    cfg = dataclasses.replace(kwargs["train_dataset_cfg"], pack=pack)
+    spec = datasets.get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS, num_epochs=1).element_spec
+    assert model.input_shapes_and_types(cfg.task_feature_lengths, pack) == (
+        {k: (1, *v.shape[1:]) for k, v in spec.items()},
+        {k: v.dtype.as_numpy_dtype for k, v in spec.items()})
 
 
 def test_activation_estimate_follows_remat_and_batch(clean_gin):

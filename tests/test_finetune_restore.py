@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from t5lite import checkpoints, cli, testing, tree_paths
+from t5lite import state_init
 from t5lite import train as train_lib
 from t5lite.checkpoints import CheckpointConfig, RestoreCheckpointConfig, SaveCheckpointConfig
 from t5lite.data.datasets import DatasetConfig
@@ -36,7 +37,7 @@ def _flat(tree):
 def _train(monkeypatch, model_dir, restore=None, model=None, total_steps=2):
   """Trains and returns (final step, start step, state at start, final params), flattened."""
   started = []
-  original = train_lib.init_or_restore
+  original = state_init.init_or_restore
 
   def recording(**kwargs):
     state, start = original(**kwargs)
@@ -44,7 +45,7 @@ def _train(monkeypatch, model_dir, restore=None, model=None, total_steps=2):
     started.append((start, _flat(state.step), _flat(state.params), _flat(state.opt_state)))
     return state, start
 
-  monkeypatch.setattr(train_lib, "init_or_restore", recording)
+  monkeypatch.setattr(state_init, "init_or_restore", recording)
   step, state = train_lib.train(
       model=model or testing.tiny_encoder_decoder(), train_dataset_cfg=CFG,
       checkpoint_cfg=CheckpointConfig(save=SAVE, restore=restore), partitioner=Partitioner(),

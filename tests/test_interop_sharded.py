@@ -22,7 +22,7 @@ import jax, numpy as np
 sys.path.insert(0, TESTS)
 import interop_helpers as h
 from t5lite import interop, partitioning as pt
-from t5lite import train as train_lib
+from t5lite import state_init
 from t5lite import checkpoints as ckpt_lib
 from t5lite.interop import lazy
 
@@ -31,7 +31,7 @@ partitioner = pt.Partitioner(num_partitions=2, mesh_shape={"fsdp": -1, "model": 
 model = h.t5x_model("a", scan_layers=SCAN)
 batch = h.t5x_batch("a")
 shapes = {k: (1,) + v.shape[1:] for k, v in batch.items() if k != "decoder_loss_weights"}
-specs, _ = train_lib.state_specs(model, partitioner, shapes, {k: np.int32 for k in shapes})
+specs, _ = state_init.state_specs(model, partitioner, shapes, {k: np.int32 for k in shapes})
 abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
 
 reads = []

@@ -51,11 +51,11 @@ def test_ctrl_c_checkpoints_the_current_step_and_exits_130(tmp_path):
 
 _TWO_CTRL_C = """
 import os, signal, sys, time
-from t5lite import train
-with train._SignalsToPreemption():
+from t5lite import stops
+with stops.SignalsToPreemption():
   os.kill(os.getpid(), signal.SIGINT)
   time.sleep(0.5)
-  print("first Ctrl-C asked to stop:", train._PREEMPTION.is_set(), flush=True)
+  print("first Ctrl-C asked to stop:", stops.PREEMPTION.is_set(), flush=True)
   os.kill(os.getpid(), signal.SIGINT)
   time.sleep(30)
 print("second Ctrl-C was ignored", flush=True)

@@ -17,7 +17,7 @@ embedded task of the preset's vocabulary; the SentencePiece presets take
 `SPIECE_MODEL=None`, t5lite's shipped stand-in, since the published
 SentencePiece model is not shipped. The console script runs for one preset
 of each family; every preset is counted in-process with the functions the
-dry run counts with (`train.state_specs`, `dry_run.param_rows`,
+dry run counts with (`state_init.state_specs`, `dry_run.param_rows`,
 `dry_run.module_counts`), which keeps the module well under a minute of the
 two test workers.
 """
@@ -31,7 +31,7 @@ from test_dry_run import printed_counts, run_cli, train_arguments
 
 from t5lite import cli
 from t5lite import dry_run
-from t5lite import train as train_lib
+from t5lite import state_init
 
 PUBLISHED = {
     "t5_1_1_small": 76_961_152,        # google/t5-v1_1-small
@@ -90,8 +90,9 @@ def test_every_published_preset_has_its_count():
 def test_preset_has_the_published_parameter_count(preset):
   kwargs = train_arguments(dry_run_args(preset))
   model, partitioner = kwargs["model"], kwargs["partitioner"]
-  shapes, types = dry_run.model_input_shapes(model, kwargs["train_dataset_cfg"])
-  specs, _ = train_lib.state_specs(model, partitioner, shapes, types)
+  cfg = kwargs["train_dataset_cfg"]
+  shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
+  specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   modules = dry_run.module_counts(dry_run.param_rows(specs, partitioner))
   assert sum(modules.values()) == PUBLISHED[preset]
 

@@ -663,3 +663,24 @@ def test_relpos_per_layer_uses_each_layers_own_table(network, scan):
   # Distinct tables per layer still decode the same with and without the cache.
   _assert_same_decodes(_greedy_decode(per_layer_model, params, batch),
                        _greedy_decode(per_layer_model, params, batch, use_cache=False))
+
+
+def test_a_model_checks_the_mesh_and_the_task_vocabulary():
+  from t5lite import testing
+  model = testing.tiny_encoder_decoder()
+  byte = model.output_vocabulary
+  model.validate_vocabulary("t", byte)
+  with pytest.raises(ValueError, match=rf"^Task 't' uses PassThroughVocabulary with 10 tokens but "
+                     rf"the model was configured with {type(byte).__name__} with "
+                     rf"{byte.vocab_size}; set the model's vocabulary \(VOCABULARY\)"):
+    model.validate_vocabulary("t", seqio.PassThroughVocabulary(10))
+  small = testing.tiny_encoder_decoder(vocab_size=200)
+  with pytest.raises(ValueError, match=rf"^Model vocab_size 200 is smaller than the task "
+                     rf"vocabulary \({byte.vocab_size}\); raise the model's vocab_size"):
+    small.validate_vocabulary("t", byte)
+  model.validate_mesh({"data": 2, "expert": 4})  # no experts: any mesh
+  experts = testing.tiny_encoder_decoder(num_experts=6)
+  experts.validate_mesh({"data": 4, "expert": 2})
+  with pytest.raises(ValueError, match=r"num_experts=6 does not divide evenly over the expert "
+                                       r"mesh axis of size 4"):
+    experts.validate_mesh({"data": 2, "expert": 4})

@@ -489,7 +489,7 @@ def test_expert_weights_and_tokens_shard_over_the_expert_axis():
 _TRAIN_SCRIPT = _EXPERT_RULES + """
 import json
 import flax.linen as nn, jax, numpy as np
-from t5lite import optimizers, testing, train, trainer as trainer_lib
+from t5lite import optimizers, state_init, testing, trainer as trainer_lib
 from t5lite.train_state import TrainState
 
 model = testing.tiny_encoder_decoder(
@@ -509,7 +509,7 @@ shapes = {k: (1,) + v.shape[1:] for k, v in batches[0].items()}
 types = {k: v.dtype for k, v in batches[0].items()}
 
 def run(partitioner):
-  specs, init_fn = train.state_specs(model, partitioner, shapes, types)
+  specs, init_fn = state_init.state_specs(model, partitioner, shapes, types)
   state = partitioner.partition(init_fn, in_shardings=None,
                                 out_shardings=specs.shardings)(jax.random.key(0))
   batch_sh = {k: partitioner.batch_sharding(2) for k in shapes}

@@ -160,7 +160,7 @@ def test_model_axis_must_stay_inside_a_host():
 _INDIVISIBLE = textwrap.dedent("""
     import jax
     from t5lite import partitioning, testing
-    from t5lite.train import state_specs
+    from t5lite.state_init import state_specs
     model = testing.tiny_decoder_only(num_heads=3)
     p = partitioning.Partitioner(num_partitions=2, mesh_shape={'data': -1, 'model': 2})
     shapes = {'decoder_input_tokens': (1, 8), 'decoder_target_tokens': (1, 8)}

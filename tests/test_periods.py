@@ -2,7 +2,7 @@
 
 import pytest
 
-from t5lite.train import compute_periods
+from t5lite.periods import compute_periods
 
 
 def _periods(**kw):

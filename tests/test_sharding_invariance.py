@@ -121,6 +121,7 @@ import json, os, sys
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from t5lite import optimizers, partitioning as pt, testing, tree_paths
+from t5lite import state_init
 from t5lite import train as train_lib
 from t5lite.data.datasets import DatasetConfig, get_dataset
 
@@ -184,10 +185,10 @@ _SPECS = """
 out = {}
 for kind in ("encdec", "deconly"):
   model, cfg = make_model(kind)
-  shapes = train_lib.model_input_shapes(model, cfg)
+  shapes = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
   for preset in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"):
     p = PRESETS[preset]()
-    specs, _ = train_lib.state_specs(model, p, *shapes)
+    specs, _ = state_init.state_specs(model, p, *shapes)
     abstract, logical = named_leaves(specs.abstract), named_leaves(specs.logical)
     golden = {}
     for key in GOLDEN_KEYS[kind]:
@@ -224,7 +225,7 @@ _loss = jax.jit(lambda params, batch: model.loss_fn(params, batch, None)[0])
 host_loss = lambda params: _loss(params, batch)
 
 started = []  # (start step, state summary) per init_or_restore call
-_init_or_restore = train_lib.init_or_restore
+_init_or_restore = state_init.init_or_restore
 
 def recording_init_or_restore(**kwargs):
   state, start = _init_or_restore(**kwargs)
@@ -252,7 +253,7 @@ def recording_init_or_restore(**kwargs):
       "init_params": jax.device_get(state.params) if start == 0 else None}))
   return state, start
 
-train_lib.init_or_restore = recording_init_or_restore
+state_init.init_or_restore = recording_init_or_restore
 
 def run(preset, model_dir, total_steps, save=None):
   step, state = train_lib.train(

@@ -268,14 +268,14 @@ def test_flops_agree_with_xla_where_matmuls_dominate():
 
 
 def _train_data(prefetch_batches):
+  from t5lite import feeder
   from t5lite import partitioning
-  from t5lite import train as train_lib
   from t5lite.data.datasets import DatasetConfig
   testing.register_in_memory_task(
       "t5lite_speed_numbers", [{"inputs": f"number {i}", "targets": str(i)} for i in range(40)])
   cfg = DatasetConfig("t5lite_speed_numbers", {"inputs": 16, "targets": 8}, "train", 2,
                       shuffle=False, seed=0)
-  return train_lib.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
+  return feeder.TrainData(testing.tiny_encoder_decoder(), cfg, partitioning.Partitioner(),
                              prefetch_batches)
 
 
@@ -303,12 +303,12 @@ def test_prefetched_batches_equal_built_ones_and_leave_the_iterator_exact():
 
 
 def test_prefetch_passes_errors_on_and_refuses_to_overlap():
-  from t5lite import train as train_lib
+  from t5lite import feeder
 
   def broken():
     raise OSError("disk gone")
 
-  prefetcher = train_lib._Prefetcher(broken, count=3, depth=2)
+  prefetcher = feeder._Prefetcher(broken, count=3, depth=2)
   with pytest.raises(OSError, match="disk gone"):
     prefetcher.get()
   data = _train_data(prefetch_batches=1)

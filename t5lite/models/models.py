@@ -22,6 +22,7 @@ import flax.linen as nn
 from flax import traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import seqio
 
@@ -209,6 +210,49 @@ class BaseModel(abc.ABC):
   def _dummy_batch(self, input_shapes: Mapping[str, tuple[int, ...]],
                    input_types: Mapping[str, jnp.dtype] | None) -> dict[str, Array]:
     """A batch of ones with the given shapes, enough to initialise the module."""
+
+  def validate_mesh(self, mesh_shape: Mapping[str, int]) -> None:
+    """Checks that the model's layers split over a mesh of this shape.
+
+    Raises:
+      ValueError: experts that the `expert` axis does not divide evenly.
+    """
+    num_experts = getattr(getattr(self.module, "config", None), "num_experts", 0)
+    if num_experts:
+      moe.validate_expert_partitioning(num_experts, mesh_shape.get("expert", 1))
+
+  def validate_vocabulary(self, task: str, targets_vocabulary: seqio.Vocabulary) -> None:
+    """Checks that `task`'s targets are in the vocabulary the model was built for.
+
+    Raises:
+      ValueError: another vocabulary, or more tokens than the embedding holds.
+    """
+    model_vocab = self.output_vocabulary
+    if (type(targets_vocabulary) is not type(model_vocab)
+        or targets_vocabulary.vocab_size != model_vocab.vocab_size):
+      raise ValueError(
+          f"Task '{task}' uses {type(targets_vocabulary).__name__} with "
+          f"{targets_vocabulary.vocab_size} tokens but the model was configured with "
+          f"{type(model_vocab).__name__} with {model_vocab.vocab_size}; set the model's "
+          "vocabulary (VOCABULARY) to the task's.")
+    embed = getattr(getattr(self.module, "config", None), "vocab_size", None)
+    if embed is not None and embed < targets_vocabulary.vocab_size:
+      raise ValueError(
+          f"Model vocab_size {embed} is smaller than the task vocabulary "
+          f"({targets_vocabulary.vocab_size}); raise the model's vocab_size.")
+
+  def input_shapes_and_types(self, task_feature_lengths: Mapping[str, int], pack: bool
+                             ) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
+    """Batch-1 shapes and dtypes of the features this model trains on.
+
+    What `FEATURE_CONVERTER_CLS` makes of tasks with these feature lengths,
+    read from the converter alone (no data is built); every feature is
+    int32, as `datasets.get_dataset` casts them. Training, the dry run,
+    `t5lite-eval` and `t5lite-infer` all initialise from this.
+    """
+    converter = self.FEATURE_CONVERTER_CLS(pack=pack)
+    lengths = converter.get_model_feature_lengths(dict(task_feature_lengths))
+    return {k: (1, n) for k, n in lengths.items()}, {k: np.int32 for k in lengths}
 
   def get_initial_variables(self, rng: Array, input_shapes: Mapping[str, tuple[int, ...]],
                             input_types: Mapping[str, jnp.dtype] | None = None) -> dict:

@@ -1,0 +1,65 @@
+"""What a training run prints: the banner, the progress line, the summary.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from t5lite import checkpoints as ckpt_lib
+from t5lite import inference
+from t5lite import metrics as metrics_lib
+from t5lite.feeder import TrainData
+
+
+def progress(model: Any, data: TrainData, start: int, end: int,
+              peak_flops_per_device: float | None = None) -> metrics_lib.Progress:
+  """Throughput tracking, with model FLOP/s (and MFU where the devices'
+  peak is known) when the model can count its FLOPs."""
+  count = getattr(model, "train_flops_per_step", None)
+  flops = count(data.global_shapes()) if count else None
+  return metrics_lib.Progress(end, start, flops_per_step=flops,
+                              peak_flops_per_second=metrics_lib.peak_flops_per_second(
+                                  per_device=peak_flops_per_device))
+
+
+def value_count(tree: Any) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def banner(*, model, specs, partitioner, train_cfg, periods, start, end, checkpointer) -> str:
+  """What is about to run: devices, mesh, model size, data, schedule."""
+  devices = jax.devices()
+  mesh = " x ".join(f"{k} {v}" for k, v in partitioner.mesh.shape.items() if v > 1) or "1 device"
+  params = value_count(specs.abstract.params)
+  layout = partitioner.get_data_layout(train_cfg.batch_size)
+  lengths = ", ".join(f"{k} {v}" for k, v in train_cfg.task_feature_lengths.items())
+  save = (f"checkpoints every {periods.checkpoint} steps and at the end"
+          if periods.checkpoint else "no checkpoints")
+  evals = f"evaluation every {periods.eval} steps" if periods.eval else "no evaluation"
+  return "\n".join([
+      f"t5lite: training {type(model.module).__name__} ({params / 1e6:.2f}M parameters, "
+      f"{value_count(specs.abstract.opt_state) / 1e6:.2f}M optimizer values)",
+      f"  devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
+      f"process(es); mesh: {mesh}",
+      f"  data: {train_cfg.mixture_or_task_name} ({train_cfg.split}), global batch "
+      f"{train_cfg.batch_size} ({train_cfg.batch_size // layout.num_shards} per host), "
+      f"lengths {lengths}",
+      f"  steps {start} -> {end}; {save} into {checkpointer.directory}; {evals}"])
+
+
+def summary(*, model_dir, checkpointer, start, end, seconds) -> str:
+  """Where everything went, once the run is over."""
+  ran = end - start
+  rate = f", {ran / seconds:.2f} steps/s" if ran and seconds > 0 else ""
+  written = [d for d in ("train", "training_eval", inference.INFERENCE_EVAL_DIR)
+             if os.path.isdir(os.path.join(model_dir, d))]
+  steps = ckpt_lib.list_steps(checkpointer.directory)[1]
+  return "\n".join([
+      f"Finished at step {end}: {ran} steps in {metrics_lib.format_duration(seconds)}{rate}.",
+      f"  checkpoints: {checkpointer.directory} (steps {steps})",
+      f"  summaries:   {', '.join(os.path.join(model_dir, d) for d in written)}",
+      f"  view with:   tensorboard --logdir {model_dir}"])

@@ -1,0 +1,217 @@
+"""The train state: its abstract shapes and shardings, and where it comes from.
+
+`state_specs` traces the model's initialisation without running it;
+`init_or_restore` then builds the state by the restore priority: this run's
+newest readable checkpoint, else a restore path (a t5lite, T5X or Hugging
+Face checkpoint), else a fresh initialisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from t5lite import checkpoints as ckpt_lib
+from t5lite import interop
+from t5lite import metrics as metrics_lib
+from t5lite import tree_paths
+from t5lite.feeder import TrainData, fast_forward
+from t5lite.partitioning import Partitioner
+from t5lite.train_state import TrainState, state_logical_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpecs:
+  """Abstract state, its logical axes and its shardings."""
+
+  abstract: TrainState
+  logical: TrainState
+  shardings: TrainState
+
+
+def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
+                input_types: Mapping[str, Any]) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
+  """Abstract train state, its shardings, and the function that initialises it."""
+  def boxed_and_state(rng):
+    variables = model.get_initial_variables(rng, input_shapes, input_types)
+    return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer)
+
+  def init(rng):
+    return boxed_and_state(rng)[1]
+
+  # One trace gives both the logical axes (on the boxed parameters) and the
+  # abstract state; tracing a large model is seconds of a short run's start.
+  boxed, abstract = jax.eval_shape(boxed_and_state, jax.random.key(0))
+  param_axes = nn.get_partition_spec(boxed)["params"]
+  logical = state_logical_axes(abstract, param_axes)
+  return StateSpecs(abstract, logical, partitioner.logical_to_sharding(logical)), init
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where a run starts, decided before anything is read or written.
+
+  `kind` is "resume" (the newest of this run's own steps in `plan`),
+  "import" (the parameters of a T5X or Hugging Face checkpoint), "params"
+  (the parameters of a t5lite checkpoint), "restore" (a t5lite checkpoint's
+  whole state, at `step`) or "fresh".
+  """
+
+  kind: str
+  step: int
+  plan: ckpt_lib.ResumePlan
+
+
+def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
+               resume_step: int | None = None) -> Start:
+  """The restore priority that training and the dry run both follow: this
+  run's own checkpoints first, then the restore path, else a fresh start.
+
+  Raises:
+    ValueError: `resume_step` is not a step of model_dir, or the restore
+      path holds no checkpoint.
+  """
+  plan = ckpt_lib.plan_resume(model_dir, resume_step)
+  if plan.candidates:
+    return Start("resume", max(plan.candidates), plan)
+  if restore_cfg is None or not restore_cfg.path:
+    return Start("fresh", 0, plan)
+  if interop.checkpoint_format(restore_cfg.path):
+    return Start("import", 0, plan)
+  if restore_cfg.params_only:
+    return Start("params", 0, plan)
+  return Start("restore", ckpt_lib.resolve_restore_path(restore_cfg)[1], plan)
+
+
+def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
+                    partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
+                    restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
+                    seed: int, data: TrainData | None = None,
+                    resume_step: int | None = None) -> tuple[TrainState, int]:
+  """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
+
+  The data continues where the restored step left it: from the saved
+  iterator when the checkpoint has one for this process count, else by
+  fast-forwarding the deterministic pipeline that many batches.
+  A params-only restore (fine-tuning) starts from the fresh init, replaces
+  the parameters the checkpoint provides and starts at step 0; the latest
+  checkpoint in model_dir still wins over it, so a restarted fine-tune
+  resumes its own full state. Unreadable newer steps, and with
+  `resume_step` the steps after it, are moved out of the way (never
+  deleted) once a step has restored.
+
+  Returns:
+    (state, step it starts from).
+
+  Raises:
+    ValueError: the explicit restore path does not fit the model, no step of
+      model_dir can be read, or `resume_step` is not one of its steps
+      (checked before anything is written to model_dir).
+  """
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
+                                              specs.shardings.state_dict())
+  # Init under jit with output shardings: a large model is created already
+  # split over the devices, never whole on one.
+  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
+  start = find_start(checkpointer.model_dir, restore_cfg, resume_step)
+  unfinished = [s for s in checkpointer.unfinished_steps()
+                if start.kind != "resume" or s > start.step]
+  if unfinished:
+    metrics_lib.log_line(f"Warning: ignoring unfinished checkpoint(s) at step(s) {unfinished} "
+                         f"in {checkpointer.directory}; restoring the last complete one.")
+  if start.kind == "resume":
+    restored = _restore_own(checkpointer, start.plan, abstract, data)
+    if data is not None and not restored.with_data:
+      fast_forward(data, restored.step)
+    return specs.abstract.restore_state(restored.state), restored.step
+  if start.kind == "import":
+    return _import_foreign(specs, restore_cfg, partitioner), 0
+  if start.kind == "params":
+    plan = ckpt_lib.plan_params_restore(restore_cfg, specs.abstract.params)  # before init
+    for warning in plan.warnings:
+      metrics_lib.log_line(warning)
+    state = init(jax.random.key(seed))
+    state = state.replace(params=ckpt_lib.load_params(plan, state.params))
+    metrics_lib.log_line(f"Restored {len(plan.sources)} parameters from step {plan.step} of "
+                         f"{restore_cfg.path} ({len(plan.fresh)} kept fresh); starting at step 0")
+    return state, 0
+  if start.kind == "restore":
+    restored, step = ckpt_lib.restore_from_path(restore_cfg, abstract)
+    metrics_lib.log_line(f"Restored step {step} from {restore_cfg.path}")
+    if data is not None:
+      fast_forward(data, step)
+    return specs.abstract.restore_state(restored), step
+  return init(jax.random.key(seed)), 0
+
+
+def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
+                 abstract: Any, data: TrainData | None) -> ckpt_lib.Restored:
+  """Restores model_dir's newest readable candidate, then sets aside what
+  must not be restored next time (see `checkpoints.plan_resume`)."""
+  if plan.note:
+    metrics_lib.log_line(plan.note)
+  metrics_lib.log_line(f"Restoring step {max(plan.candidates)} from {checkpointer.directory}")
+  restored = checkpointer.restore_newest(plan.candidates, abstract,
+                                         data.iterator if data is not None else None)
+  for warning in restored.warnings:
+    metrics_lib.log_line(warning)
+  if restored.unreadable:
+    checkpointer.set_aside(restored.unreadable, ckpt_lib.UNREADABLE_SUBDIR)
+  if plan.aside_subdir:
+    where = checkpointer.set_aside(plan.set_aside, plan.aside_subdir)
+    metrics_lib.log_line(f"Resuming from step {restored.step} (train.resume_step): newer "
+                         f"step(s) {list(plan.set_aside)} moved to {where}, not deleted.")
+  return restored
+
+
+def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointConfig,
+                    partitioner: Partitioner) -> TrainState:
+  """A fresh train state around the parameters of a T5X or Hugging Face checkpoint.
+
+  Only the parameters are imported (a foreign optimizer's slots do not fit
+  t5lite's optimizer); the optimizer state is initialised from them, under
+  jit with the state's shardings, and the run starts at step 0.
+
+  Raises:
+    ValueError: `params_only` is off, or the checkpoint does not fit the model.
+  """
+  if not restore_cfg.params_only or restore_cfg.assignment_map:
+    raise ValueError(f"{restore_cfg.path} is a {interop.checkpoint_format(restore_cfg.path)} "
+                     "checkpoint, which gives parameters only: set "
+                     "RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin does) "
+                     "and no assignment_map.")
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
+  params = interop.load_params(restore_cfg.path, abstract)
+  tx = specs.abstract.tx
+  create = partitioner.partition(lambda p: TrainState.create(p, tx),
+                                 in_shardings=(specs.shardings.params,),
+                                 out_shardings=specs.shardings)
+  metrics_lib.log_line(f"Imported {len(jax.tree.leaves(params))} parameters from "
+                       f"{restore_cfg.path}; optimizer state fresh, starting at step 0")
+  return create(params)
+
+
+def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:
+  """One line per parameter: name, shape, logical axes, mesh partition spec."""
+  flat_abs = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
+  flat_log = jax.tree.leaves(specs.logical.params,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  lines, total = [], 0
+  for (key_path, leaf), logical in zip(flat_abs, flat_log):
+    name = tree_paths.path_name(key_path)
+    mesh_spec = partitioner.logical_to_mesh_spec(logical)
+    total += int(np.prod(leaf.shape))
+    lines.append(f"Variable {name:60s} size {int(np.prod(leaf.shape)):<12d} "
+                 f"shape {str(tuple(leaf.shape)):22s} logical {tuple(logical)} "
+                 f"partition {tuple(mesh_spec)}")
+  opt_total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(specs.abstract.opt_state))
+  lines.append(f"Total number of parameters: {total}")
+  lines.append(f"Total number of optimizer-state values: {opt_total}")
+  lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
