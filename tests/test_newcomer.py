@@ -90,4 +90,4 @@ def test_clone_readme_and_quickstart(tmp_path):
   status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True,
                           text=True, check=True, timeout=120).stdout.split("\n")
   written = sorted(line[3:].rstrip("/") for line in status if line)
-  assert written == [".venv", "inputs.txt"], written  # runs/ is ignored
+  assert written == ["inputs.txt"], written  # runs/ and the .venv link are ignored
