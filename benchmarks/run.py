@@ -231,9 +231,9 @@ def compile_seconds(gin_file: str, layers: int, scan: bool) -> tuple[float, floa
   model, partitioner, train_cfg, trainer = _objects()
   shapes, types = model.input_shapes_and_types(train_cfg.task_feature_lengths, train_cfg.pack)
   specs, _ = state_init.state_specs(model, partitioner, shapes, types)
+  shardings = partitioner.batch_shardings(shapes)
   batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size,) + s[1:], types[k],
-                                   sharding=partitioner.batch_sharding(len(s)))
-           for k, s in shapes.items()}
+                                   sharding=shardings[k]) for k, s in shapes.items()}
   step = trainer.compile_train_step(specs.shardings, {k: v.sharding for k, v in batch.items()})
   wall, cpu = time.perf_counter(), time.process_time()
   step.lower(specs.abstract, batch).compile()

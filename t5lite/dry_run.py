@@ -35,30 +35,18 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
-from t5lite import divergence
 from t5lite import state_init
-from t5lite import train_eval
 from t5lite import train as train_lib
-from t5lite import tree_paths
+from t5lite import train_eval
 from t5lite.data.datasets import DatasetConfig
 from t5lite.periods import Periods
+from t5lite.run_config import RunConfig
 
 # Longest list of steps printed in full; longer ones show their ends.
 _MAX_LISTED_STEPS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamRow:
-  """One parameter of the partitioning table."""
-
-  name: str
-  shape: tuple[int, ...]
-  logical: tuple[str | None, ...]
-  mesh: tuple[Any, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +87,7 @@ class Report:
   model: str
   mesh: dict[str, int]
   devices: str
-  params: tuple[ParamRow, ...]
+  params: tuple[state_init.ParamRow, ...]
   modules: dict[str, int]
   expert_params: int
   active_params: int | None
@@ -125,49 +113,33 @@ def run(out: TextIO | None = None, **train_kwargs: Any) -> Report:
   """
   args = inspect.signature(train_lib.train).bind(**train_kwargs)
   args.apply_defaults()
-  report = describe(**args.arguments)
+  # A seed drawn from the clock changes no shape, so any seed will do.
+  seed = args.arguments["random_seed"]
+  report = describe(RunConfig.from_train_arguments(args.arguments,
+                                                   seed=0 if seed is None else seed))
   if jax.process_index() == 0:
     print(format_report(report), file=out or sys.stdout, flush=True)
   return report
 
 
-def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
-             train_eval_dataset_cfg: DatasetConfig | None,
-             infer_eval_dataset_cfg: DatasetConfig | None,
-             checkpoint_cfg: ckpt_lib.CheckpointConfig, partitioner: Any, trainer_cls: Any,
-             model_dir: str, total_steps: int, eval_steps: int, eval_period: int,
-             relative_steps: int | None, stats_period: int | None, random_seed: int | None,
-             actions: Mapping[str, Any] | None, run_eval_before_training: bool,
-             gc_period: int, peak_flops_per_device: float | None,
-             max_update_ratio: float | None, loss_spike_factor: float | None,
-             loss_spike_window: int, resume_step: int | None = None, **unused: Any) -> Report:
-  """The dry run's findings for `train()`'s arguments (see `run`)."""
-  del unused  # loop options (prefetching, config summary) change nothing here
-  divergence.DivergenceLimits(max_update_ratio=max_update_ratio,
-                             loss_spike_factor=loss_spike_factor,
-                             loss_spike_window=loss_spike_window)  # refused as train() does
-  # A seed drawn from the clock changes no shape, so any seed will do.
-  trainer, periods = train_lib.checked_setup(
-      model=model, trainer_cls=trainer_cls, seed=0 if random_seed is None else random_seed,
-      train_dataset_cfg=train_dataset_cfg, train_eval_dataset_cfg=train_eval_dataset_cfg,
-      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
-      partitioner=partitioner, model_dir=model_dir, actions=actions, total_steps=total_steps,
-      eval_period=eval_period, gc_period=gc_period, stats_period=stats_period,
-      peak_flops_per_device=peak_flops_per_device)
+def describe(run: RunConfig) -> Report:
+  """The dry run's findings for a run's settings (see `run`)."""
+  trainer, periods = train_lib.checked_setup(run)
+  model, partitioner, train_dataset_cfg = run.model, run.partitioner, run.train_dataset_cfg
   shapes, types = model.input_shapes_and_types(train_dataset_cfg.task_feature_lengths,
                                                train_dataset_cfg.pack)
   specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   partitioner.check_divisible(specs.abstract, specs.logical)
-  rows = param_rows(specs, partitioner)
+  rows = state_init.param_rows(specs, partitioner)
   microbatches = getattr(trainer, "num_microbatches", None) or 1
   per_device = train_dataset_cfg.batch_size // partitioner.batch_size_divisor()
   examples = max(1, per_device // microbatches)
   activations = activation_bytes(model, shapes, types, specs.abstract.params, examples)
-  evaluators = ", ".join(name for name, cfg in (("train-eval", train_eval_dataset_cfg),
-                                                 ("infer-eval", infer_eval_dataset_cfg))
+  evaluators = ", ".join(name for name, cfg in (("train-eval", run.train_eval_dataset_cfg),
+                                                 ("infer-eval", run.infer_eval_dataset_cfg))
                          if cfg is not None and periods.eval)
   return Report(
-      model_dir=model_dir, model=_model_name(model), mesh=dict(partitioner.mesh.shape),
+      model_dir=run.model_dir, model=_model_name(model), mesh=dict(partitioner.mesh.shape),
       devices=_devices(), params=tuple(rows), modules=module_counts(rows),
       expert_params=_expert_params(rows), active_params=_active_params(model, rows),
       memory=Memory(params=sharded_bytes(specs.abstract.params, specs.shardings.params),
@@ -175,29 +147,22 @@ def describe(*, model: Any, train_dataset_cfg: DatasetConfig,
                     optimizer=sharded_bytes(specs.abstract.opt_state,
                                             specs.shardings.opt_state),
                     activations=activations, examples_per_device=examples),
-      checkpoint_bytes=_checkpoint_bytes(specs, checkpoint_cfg.save),
-      data=tuple(data_lines(train_dataset_cfg, train_eval_dataset_cfg, infer_eval_dataset_cfg,
-                            partitioner, eval_steps, microbatches)),
-      schedule=schedule(periods=periods, model_dir=model_dir, checkpoint_cfg=checkpoint_cfg,
-                        total_steps=total_steps, relative_steps=relative_steps,
-                        evaluators=evaluators,
-                        eval_at_start=run_eval_before_training, resume_step=resume_step))
+      checkpoint_bytes=_checkpoint_bytes(specs, run.checkpoint_cfg.save),
+      data=tuple(data_lines(train_dataset_cfg, run.train_eval_dataset_cfg,
+                            run.infer_eval_dataset_cfg, partitioner, run.eval_steps,
+                            microbatches)),
+      schedule=schedule(periods=periods, model_dir=run.model_dir,
+                        checkpoint_cfg=run.checkpoint_cfg, total_steps=run.total_steps,
+                        relative_steps=run.relative_steps, evaluators=evaluators,
+                        eval_at_start=run.run_eval_before_training,
+                        resume_step=run.resume_step))
 
 
 # ---------------------------------------------------------------------------
 # Model and parameters
 
 
-def param_rows(specs: state_init.StateSpecs, partitioner: Any) -> list[ParamRow]:
-  """One row per parameter: path, shape, logical axes and mesh axes."""
-  flat = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
-  logical = jax.tree.leaves(specs.logical.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-  return [ParamRow(name=tree_paths.path_name(path), shape=tuple(leaf.shape), logical=tuple(spec),
-                   mesh=tuple(partitioner.logical_to_mesh_spec(spec)))
-          for (path, leaf), spec in zip(flat, logical)]
-
-
-def module_counts(rows: Sequence[ParamRow]) -> dict[str, int]:
+def module_counts(rows: Sequence[state_init.ParamRow]) -> dict[str, int]:
   """Parameters per top-level module (the first component of the path)."""
   counts: dict[str, int] = {}
   for row in rows:
@@ -206,11 +171,11 @@ def module_counts(rows: Sequence[ParamRow]) -> dict[str, int]:
   return counts
 
 
-def _expert_params(rows: Sequence[ParamRow]) -> int:
+def _expert_params(rows: Sequence[state_init.ParamRow]) -> int:
   return sum(math.prod(r.shape) for r in rows if ax.EXPERT in r.logical)
 
 
-def _active_params(model: Any, rows: Sequence[ParamRow]) -> int | None:
+def _active_params(model: Any, rows: Sequence[state_init.ParamRow]) -> int | None:
   """Parameters one token passes through: experts count k / num_experts."""
   config = getattr(model.module, "config", None)
   experts = getattr(config, "num_experts", 0)

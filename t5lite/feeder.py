@@ -13,11 +13,10 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
@@ -25,18 +24,12 @@ from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
 
 
-def to_global(batch: Mapping[str, np.ndarray], shardings: Mapping[str, Any],
-               global_batch: int) -> dict[str, jax.Array]:
-  return {k: jax.make_array_from_process_local_data(
-      shardings[k], v, (global_batch,) + v.shape[1:]) for k, v in batch.items()}
-
-
 def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iterator[dict]:
   """Yields global `jax.Array` batches from this host's tf.data batches."""
-  shardings = {k: partitioner.batch_sharding(len(spec.shape))
-               for k, spec in ds.element_spec.items()}
+  shardings = partitioner.batch_shardings(
+      {k: spec.shape for k, spec in ds.element_spec.items()})
   for batch in ds.as_numpy_iterator():
-    yield to_global(batch, shardings, global_batch)
+    yield partitioner.to_global(batch, shardings, global_batch)
 
 
 def _leave_cores_to_the_step(ds: Any) -> Any:
@@ -164,6 +157,7 @@ class TrainData:
     self._make = functools.partial(datasets.get_dataset, cfg, *shard,
                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
+    self._partitioner = partitioner
     self._depth = prefetch_batches
     self._prefetcher: _Prefetcher | None = None
     self.skip(0)
@@ -173,8 +167,8 @@ class TrainData:
           "processes reads, shuffles and packs its own shard, so the data order depends on the "
           "number of processes; a restart on another number continues at the same step with "
           "other examples.")
-    self.shardings = {k: partitioner.batch_sharding(len(spec.shape))
-                      for k, spec in self._ds.element_spec.items()}
+    self.shardings = partitioner.batch_shardings(
+        {k: spec.shape for k, spec in self._ds.element_spec.items()})
 
   def global_shapes(self) -> dict[str, tuple[int, ...]]:
     """Shapes of the global batches this yields, e.g. for counting FLOPs."""
@@ -202,7 +196,7 @@ class TrainData:
 
   def _build(self) -> dict[str, jax.Array]:
     batch = {k: v.numpy()[self._rows] for k, v in next(self.iterator).items()}
-    return to_global(batch, self.shardings, self._global_batch)
+    return self._partitioner.to_global(batch, self.shardings, self._global_batch)
 
   def prefetch(self, num_batches: int) -> None:
     """Starts building the next `num_batches` batches in the background.

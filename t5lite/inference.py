@@ -72,18 +72,19 @@ class BatchRunner:
 
   def _jit(self, name: str, fn: Callable, features: Mapping[str, np.ndarray]) -> Callable:
     if name not in self._compiled:
-      shardings = {k: self.partitioner.batch_sharding(v.ndim) for k, v in features.items()}
+      shardings = self.partitioner.batch_shardings({k: v.shape for k, v in features.items()})
       self._compiled[name] = (self.partitioner.partition(
           fn, in_shardings=(self.params_shardings, shardings), out_shardings=None), shardings)
     return self._compiled[name]
 
   def _to_global(self, features: Mapping[str, np.ndarray], shardings: Mapping[str, Any]
                  ) -> dict[str, jax.Array]:
+    """Every process holds the whole batch; it passes on its layout's rows."""
     layout = self.partitioner.get_data_layout(self.batch_size)
     rows = self.batch_size // layout.num_shards
     lo = layout.shard_id * rows
-    return {k: jax.make_array_from_process_local_data(shardings[k], v[lo:lo + rows], v.shape)
-            for k, v in features.items()}
+    return self.partitioner.to_global({k: v[lo:lo + rows] for k, v in features.items()},
+                                      shardings, self.batch_size)
 
   def run(self, name: str, fn: Callable, params: Any, ds: tf.data.Dataset
           ) -> list[tuple[int, Any]]:

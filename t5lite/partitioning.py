@@ -320,6 +320,20 @@ class Partitioner:
     spec = self.logical_to_mesh_spec((ax.BATCH,) + (None,) * (ndim - 1))
     return NamedSharding(self.mesh, spec)
 
+  def batch_shardings(self, shapes: Mapping[str, Sequence[Any]]) -> dict[str, NamedSharding]:
+    """The sharding of each feature of a batch, from its shape (only its rank matters).
+
+    Training, train-eval, inference and the benchmarks place batches with it.
+    """
+    return {k: self.batch_sharding(len(shape)) for k, shape in shapes.items()}
+
+  def to_global(self, rows: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
+                global_batch: int) -> dict[str, jax.Array]:
+    """Global arrays of `global_batch` rows from the rows this process holds
+    (its `get_data_layout` slice)."""
+    return {k: jax.make_array_from_process_local_data(
+        shardings[k], v, (global_batch,) + v.shape[1:]) for k, v in rows.items()}
+
   def batch_size_divisor(self) -> int:
     """Number of slices the batch dimension is split into across devices."""
     spec = self.logical_to_mesh_spec((ax.BATCH,))[0]

@@ -9,6 +9,7 @@ Face checkpoint), else a fresh initialisation.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -196,21 +197,39 @@ def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointCo
   return create(params)
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamRow:
+  """One parameter of the partitioning table."""
+
+  name: str
+  shape: tuple[int, ...]
+  logical: tuple[str | None, ...]
+  mesh: tuple[Any, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+def param_rows(specs: StateSpecs, partitioner: Partitioner) -> list[ParamRow]:
+  """One row per parameter: path, shape, logical axes and mesh axes; the
+  table of model-info.txt and of the dry run."""
+  flat = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
+  logical = jax.tree.leaves(specs.logical.params,
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return [ParamRow(name=tree_paths.path_name(path), shape=tuple(leaf.shape), logical=tuple(spec),
+                   mesh=tuple(partitioner.logical_to_mesh_spec(spec)))
+          for (path, leaf), spec in zip(flat, logical)]
+
+
 def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:
-  """One line per parameter: name, shape, logical axes, mesh partition spec."""
-  flat_abs = jax.tree_util.tree_flatten_with_path(specs.abstract.params)[0]
-  flat_log = jax.tree.leaves(specs.logical.params,
-                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  lines, total = [], 0
-  for (key_path, leaf), logical in zip(flat_abs, flat_log):
-    name = tree_paths.path_name(key_path)
-    mesh_spec = partitioner.logical_to_mesh_spec(logical)
-    total += int(np.prod(leaf.shape))
-    lines.append(f"Variable {name:60s} size {int(np.prod(leaf.shape)):<12d} "
-                 f"shape {str(tuple(leaf.shape)):22s} logical {tuple(logical)} "
-                 f"partition {tuple(mesh_spec)}")
+  """One line per parameter (`param_rows`): name, size, shape, logical axes,
+  mesh partition spec; then the totals and the mesh."""
+  rows = param_rows(specs, partitioner)
+  lines = [f"Variable {row.name:60s} size {row.size:<12d} shape {str(row.shape):22s} "
+           f"logical {row.logical} partition {row.mesh}" for row in rows]
   opt_total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(specs.abstract.opt_state))
-  lines.append(f"Total number of parameters: {total}")
+  lines.append(f"Total number of parameters: {sum(row.size for row in rows)}")
   lines.append(f"Total number of optimizer-state values: {opt_total}")
   lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
   with open(path, "w") as f:

@@ -36,6 +36,7 @@ from t5lite.divergence import DivergenceCheck, DivergenceLimits
 from t5lite.feeder import TrainData
 from t5lite.partitioning import Partitioner
 from t5lite.periods import Periods, compute_periods
+from t5lite.run_config import RunConfig
 from t5lite.stops import Diverged, Interrupted, Preempted
 from t5lite.train_eval import TrainEvaluator
 from t5lite.train_state import TrainState
@@ -51,34 +52,31 @@ def _check_writable(model_dir: str) -> None:
                      "directory); choose another MODEL_DIR or fix its permissions.")
 
 
-def validate(*, model: Any, train_dataset_cfg: DatasetConfig, model_dir: str,
-             train_eval_dataset_cfg: DatasetConfig | None,
-             infer_eval_dataset_cfg: DatasetConfig | None, checkpoint_cfg: CheckpointConfig,
-             partitioner: Partitioner, trainer: Any, periods_kwargs: Mapping[str, Any],
-             actions: Mapping[str, Any] | None) -> Periods:
-  """Every check that needs no compilation and writes nothing.
+def validate(run: RunConfig, trainer: Any) -> Periods:
+  """Every check of `run` that needs no compilation and writes nothing.
 
   Raises:
     ValueError: the first problem found, as one readable message.
   """
-  ckpt_lib.validate_config(checkpoint_cfg)
-  _check_writable(model_dir)
-  save = checkpoint_cfg.save
-  periods = compute_periods(checkpoint_period=save.period if save else 0,
-                            checkpoint_steps=tuple(save.checkpoint_steps) if save else (),
-                            **periods_kwargs)
+  ckpt_lib.validate_config(run.checkpoint_cfg)
+  _check_writable(run.model_dir)
+  save = run.checkpoint_cfg.save
+  periods = compute_periods(total_steps=run.total_steps, eval_period=run.eval_period,
+                            checkpoint_period=save.period if save else 0,
+                            gc_period=run.gc_period, stats_period=run.stats_period,
+                            checkpoint_steps=tuple(save.checkpoint_steps) if save else ())
+  partitioner = run.partitioner
   partitioner.validate()
-  model.validate_mesh(partitioner.mesh.shape)
-  trainer.validate(train_dataset_cfg.batch_size)
-  for cfg in (train_dataset_cfg, train_eval_dataset_cfg, infer_eval_dataset_cfg):
-    if cfg is not None:
-      eval_layout = partitioner.get_data_layout(cfg.batch_size)
-      datasets.validate_dataset_config(cfg, num_shards=eval_layout.num_shards)
-      model.validate_vocabulary(cfg.mixture_or_task_name, datasets.get_vocabulary(cfg)[1])
-  if infer_eval_dataset_cfg is not None and infer_eval_dataset_cfg.pack:
+  run.model.validate_mesh(partitioner.mesh.shape)
+  trainer.validate(run.train_dataset_cfg.batch_size)
+  for cfg in run.datasets:
+    layout = partitioner.get_data_layout(cfg.batch_size)
+    datasets.validate_dataset_config(cfg, num_shards=layout.num_shards)
+    run.model.validate_vocabulary(cfg.mixture_or_task_name, datasets.get_vocabulary(cfg)[1])
+  infer_cfg = run.infer_eval_dataset_cfg
+  if infer_cfg is not None and infer_cfg.pack:
     raise ValueError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
-                     f"on its own) for '{infer_eval_dataset_cfg.mixture_or_task_name}'.")
-  actions_lib.validate_actions(actions)
+                     f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
   return periods
 
 
@@ -358,51 +356,18 @@ def train(*,
     ValueError: invalid configuration, before anything compiles or is written.
     checkpoints.CheckpointWriteError: a checkpoint could not be written.
   """
-  divergence = DivergenceLimits(max_update_ratio=max_update_ratio,
-                                loss_spike_factor=loss_spike_factor,
-                                loss_spike_window=loss_spike_window)
-  seed = _resolve_seed(random_seed)
-  trainer, periods = checked_setup(
-      model=model, trainer_cls=trainer_cls, seed=seed, train_dataset_cfg=train_dataset_cfg,
-      train_eval_dataset_cfg=train_eval_dataset_cfg,
-      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
-      partitioner=partitioner, model_dir=model_dir, actions=actions, total_steps=total_steps,
-      eval_period=eval_period, gc_period=gc_period, stats_period=stats_period,
-      peak_flops_per_device=peak_flops_per_device)
-  return _run(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
-              train_cfg=train_dataset_cfg, eval_cfg=train_eval_dataset_cfg,
-              infer_cfg=infer_eval_dataset_cfg,
-              actions=actions_lib.validate_actions(actions), checkpoint_cfg=checkpoint_cfg, model_dir=model_dir, total_steps=total_steps,
-              relative_steps=relative_steps, eval_steps=eval_steps, seed=seed,
-              run_eval_before_training=run_eval_before_training,
-              prefetch_batches=prefetch_batches, peak_flops_per_device=peak_flops_per_device,
-              summarize_config_fn=summarize_config_fn, divergence=divergence,
-              resume_step=resume_step)
+  arguments = dict(locals())
+  run = RunConfig.from_train_arguments(arguments, seed=_resolve_seed(random_seed))
+  trainer, periods = checked_setup(run)
+  return _run(run, trainer, periods)
 
 
-def checked_setup(*, model: Any, trainer_cls: Callable[..., Any], seed: int,
-                  train_dataset_cfg: DatasetConfig,
-                  train_eval_dataset_cfg: DatasetConfig | None,
-                  infer_eval_dataset_cfg: DatasetConfig | None,
-                  checkpoint_cfg: CheckpointConfig, partitioner: Partitioner, model_dir: str,
-                  actions: Mapping[str, Any] | None, total_steps: int, eval_period: int,
-                  gc_period: int, stats_period: int | None,
-                  peak_flops_per_device: float | None) -> tuple[Any, Periods]:
-  """The trainer and the periods of a `train()` call, after every check that
-  needs no compile. `train()` and its dry run both start here, so the dry run
+def checked_setup(run: RunConfig) -> tuple[Any, Periods]:
+  """The trainer and the periods of a run, after every check that needs no
+  compile. `train()` and its dry run both start here, so the dry run
   refuses exactly what training refuses."""
-  if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-    raise ValueError(f"train.peak_flops_per_device must be a positive FLOP/s figure or None, "
-                     f"got {peak_flops_per_device!r}.")
-  trainer = trainer_cls(model=model, partitioner=partitioner, dropout_seed=seed)
-  periods = validate(
-      model=model, train_dataset_cfg=train_dataset_cfg, model_dir=model_dir,
-      train_eval_dataset_cfg=train_eval_dataset_cfg,
-      infer_eval_dataset_cfg=infer_eval_dataset_cfg, checkpoint_cfg=checkpoint_cfg,
-      partitioner=partitioner, trainer=trainer, actions=actions,
-      periods_kwargs=dict(total_steps=total_steps, eval_period=eval_period,
-                          gc_period=gc_period, stats_period=stats_period))
-  return trainer, periods
+  trainer = run.trainer_cls(model=run.model, partitioner=run.partitioner, dropout_seed=run.seed)
+  return trainer, validate(run, trainer)
 
 
 def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None
@@ -412,26 +377,29 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
     summarize_config_fn(model_dir)
 
 
-def _build_loop(*, model, trainer, partitioner, periods, data, eval_cfg, infer_cfg, actions,
-                train_task, specs, checkpointer, model_dir, start, end, eval_steps,
-                peak_flops_per_device=None, divergence=DivergenceLimits()) -> _Loop:
+def _build_loop(run: RunConfig, trainer: Any, periods: Periods, data: TrainData,
+                specs: state_init.StateSpecs, checkpointer: ckpt_lib.Checkpointer, start: int,
+                end: int) -> _Loop:
   """The compiled step, the evaluators and the writers around the data."""
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
   evaluator = infer_evaluator = None
-  if eval_cfg is not None and periods.eval:
-    evaluator = TrainEvaluator(model=model, cfg=eval_cfg, partitioner=partitioner,
-                               trainer=trainer, params_shardings=specs.shardings.params,
-                               eval_steps=eval_steps, model_dir=model_dir)
-  if infer_cfg is not None and periods.eval:
+  if run.train_eval_dataset_cfg is not None and periods.eval:
+    evaluator = TrainEvaluator(model=run.model, cfg=run.train_eval_dataset_cfg,
+                               partitioner=run.partitioner, trainer=trainer,
+                               params_shardings=specs.shardings.params,
+                               eval_steps=run.eval_steps, model_dir=run.model_dir)
+  if run.infer_eval_dataset_cfg is not None and periods.eval:
     infer_evaluator = inference.InferenceEvaluator(
-        model=model, cfg=infer_cfg, partitioner=partitioner,
-        params_shardings=specs.shardings.params, output_dir=model_dir)
-  writer = metrics_lib.SummaryWriter(os.path.join(model_dir, "train"), jax.process_index() == 0)
-  progress = report.progress(model, data, start, end, peak_flops_per_device)
+        model=run.model, cfg=run.infer_eval_dataset_cfg, partitioner=run.partitioner,
+        params_shardings=specs.shardings.params, output_dir=run.model_dir)
+  writer = metrics_lib.SummaryWriter(os.path.join(run.model_dir, "train"),
+                                     jax.process_index() == 0)
+  progress = report.progress(run.model, data, start, end, run.peak_flops_per_device)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
                progress=progress, periods=periods, evaluator=evaluator,
-               infer_evaluator=infer_evaluator, actions=actions, train_task=train_task,
-               total_steps=end, divergence=DivergenceCheck(divergence))
+               infer_evaluator=infer_evaluator, actions=run.actions,
+               train_task=run.train_dataset_cfg.mixture_or_task_name,
+               total_steps=end, divergence=DivergenceCheck(run.divergence))
 
 
 def _close(loop: _Loop, failing: BaseException | None = None) -> None:
@@ -463,63 +431,56 @@ def _close(loop: _Loop, failing: BaseException | None = None) -> None:
           evaluator.close()
 
 
-def _holding_model_dir_lock(run: Callable[..., Any]) -> Callable[..., Any]:
-  """`run(model_dir=..., ...)` holding MODEL_DIR's lock (see `t5lite.run_lock`):
-  one trainer per model_dir, taken once per job, on process 0, after
-  validation and before anything is written; released when `run` returns
-  or raises."""
-  @functools.wraps(run)
-  def locked(**kwargs: Any) -> Any:
-    with run_lock.hold(kwargs["model_dir"], enabled=jax.process_index() == 0,
+def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:
+  """`phase(run, ...)` holding the lock of `run.model_dir` (see
+  `t5lite.run_lock`): one trainer per model_dir, taken once per job, on
+  process 0, after validation and before anything is written; released
+  when `phase` returns or raises."""
+  @functools.wraps(phase)
+  def locked(run: RunConfig, *args: Any) -> Any:
+    with run_lock.hold(run.model_dir, enabled=jax.process_index() == 0,
                        log=metrics_lib.log_line):
-      return run(**kwargs)
+      return phase(run, *args)
   return locked
 
 
 @_holding_model_dir_lock
-def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg, actions,
-         checkpoint_cfg,
-         model_dir, total_steps, relative_steps, eval_steps, seed, run_eval_before_training,
-         prefetch_batches, peak_flops_per_device, summarize_config_fn,
-         divergence=DivergenceLimits(), resume_step=None) -> tuple[int, TrainState]:
+def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
-  data = TrainData(model, train_cfg, partitioner, prefetch_batches)
+  model, partitioner, train_cfg = run.model, run.partitioner, run.train_dataset_cfg
+  data = TrainData(model, train_cfg, partitioner, run.prefetch_batches)
   specs, init_fn = state_init.state_specs(model, partitioner, *model.input_shapes_and_types(
       train_cfg.task_feature_lengths, train_cfg.pack))
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
-  restore = checkpoint_cfg.restore
+  restore = run.checkpoint_cfg.restore
   if restore is not None and interop.checkpoint_format(restore.path):
     interop.check_fits(restore.path, specs.abstract.params)  # reads metadata only
-  checkpointer = ckpt_lib.Checkpointer(model_dir, checkpoint_cfg.save)
-  state, start = state_init.init_or_restore(specs=specs, init_fn=init_fn, partitioner=partitioner,
-                                 checkpointer=checkpointer, restore_cfg=checkpoint_cfg.restore,
-                                 seed=seed, data=data, resume_step=resume_step)
-  end = start + relative_steps if relative_steps is not None else total_steps
+  checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)
+  state, start = state_init.init_or_restore(
+      specs=specs, init_fn=init_fn, partitioner=partitioner, checkpointer=checkpointer,
+      restore_cfg=restore, seed=run.seed, data=data, resume_step=run.resume_step)
+  end = start + run.relative_steps if run.relative_steps is not None else run.total_steps
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
     checkpointer.close()
     return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.
-  _prepare_model_dir(model_dir, summarize_config_fn)
+  _prepare_model_dir(run.model_dir, run.summarize_config_fn)
   if jax.process_index() == 0:
-    state_init.write_model_info(os.path.join(model_dir, "model-info.txt"), specs, partitioner)
+    state_init.write_model_info(os.path.join(run.model_dir, "model-info.txt"), specs,
+                                partitioner)
 
-  loop = _build_loop(model=model, trainer=trainer, partitioner=partitioner, periods=periods,
-                     data=data, eval_cfg=eval_cfg, infer_cfg=infer_cfg, actions=actions,
-                     train_task=train_cfg.mixture_or_task_name, specs=specs,
-                     checkpointer=checkpointer, model_dir=model_dir, start=start, end=end,
-                     eval_steps=eval_steps, peak_flops_per_device=peak_flops_per_device,
-                     divergence=divergence)
+  loop = _build_loop(run, trainer, periods, data, specs, checkpointer, start, end)
   metrics_lib.log_line(report.banner(model=model, specs=specs, partitioner=partitioner,
-                               train_cfg=train_cfg, periods=periods, start=start, end=end,
-                               checkpointer=checkpointer))
+                                     train_cfg=train_cfg, periods=periods, start=start, end=end,
+                                     checkpointer=checkpointer))
   began = time.perf_counter()
   if periods.gc:
     gc.disable()  # collected every gc_period steps instead, away from the hot loop
   try:
     with stops.SignalsToPreemption():
       stop = None
-      if run_eval_before_training:
+      if run.run_eval_before_training:
         stop = evaluate_all(loop, start, state.params)
       if stop:
         state, end, _ = _stop(loop, start, state, stop)
@@ -532,8 +493,9 @@ def _run(*, model, trainer, partitioner, periods, train_cfg, eval_cfg, infer_cfg
     _close(loop)
   finally:
     gc.enable()
-  metrics_lib.log_line(report.summary(model_dir=model_dir, checkpointer=checkpointer, start=start,
-                                end=end, seconds=time.perf_counter() - began))
+  metrics_lib.log_line(report.summary(model_dir=run.model_dir, checkpointer=checkpointer,
+                                      start=start, end=end,
+                                      seconds=time.perf_counter() - began))
   return end, state
 
 

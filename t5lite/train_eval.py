@@ -48,7 +48,7 @@ class TrainEvaluator:
       self._writers[name] = metrics_lib.SummaryWriter(
           os.path.join(model_dir, "training_eval", name), jax.process_index() == 0)
     spec = next(iter(self._datasets.values())).element_spec
-    shardings = {k: partitioner.batch_sharding(len(s.shape)) for k, s in spec.items()}
+    shardings = partitioner.batch_shardings({k: s.shape for k, s in spec.items()})
     self._step_fn = trainer.compile_eval_step(params_shardings, shardings)
 
   def evaluate(self, step: int, params: Any) -> dict[str, dict[str, float]]:

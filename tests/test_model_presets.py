@@ -17,7 +17,7 @@ embedded task of the preset's vocabulary; the SentencePiece presets take
 `SPIECE_MODEL=None`, t5lite's shipped stand-in, since the published
 SentencePiece model is not shipped. The console script runs for one preset
 of each family; every preset is counted in-process with the functions the
-dry run counts with (`state_init.state_specs`, `dry_run.param_rows`,
+dry run counts with (`state_init.state_specs`, `state_init.param_rows`,
 `dry_run.module_counts`), which keeps the module well under a minute of the
 two test workers.
 """
@@ -93,7 +93,7 @@ def test_preset_has_the_published_parameter_count(preset):
   cfg = kwargs["train_dataset_cfg"]
   shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
   specs, _ = state_init.state_specs(model, partitioner, shapes, types)
-  modules = dry_run.module_counts(dry_run.param_rows(specs, partitioner))
+  modules = dry_run.module_counts(state_init.param_rows(specs, partitioner))
   assert sum(modules.values()) == PUBLISHED[preset]
 
 

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -211,3 +212,15 @@ def test_hosts_holding_the_same_rows_read_the_same_shard():
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu",
                                              XLA_FLAGS=testing.fake_device_flags(8)))
   assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_batch_shardings_follow_each_features_rank_and_place_the_rows():
+  p = partitioning.Partitioner()
+  shardings = p.batch_shardings({"tokens": (4, 3), "weights": [4]})
+  assert {k: len(s.spec) for k, s in shardings.items()} == {"tokens": 2, "weights": 1}
+  assert shardings["tokens"] == p.batch_sharding(2)
+  rows = {"tokens": np.arange(12, dtype=np.int32).reshape(4, 3),
+          "weights": np.ones(4, np.float32)}
+  placed = p.to_global(rows, shardings, global_batch=4)
+  assert {k: v.sharding for k, v in placed.items()} == shardings
+  np.testing.assert_array_equal(np.asarray(placed["tokens"]), rows["tokens"])
