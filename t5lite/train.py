@@ -1,10 +1,13 @@
 """`train()`: the gin-configured entrypoint and its epoch loop.
 
-The body is a few named phases: validate everything cheap, build data, init
-or restore the state, compile, then run epochs. An epoch is the largest step
-count after which something has to happen (a checkpoint, an evaluation or a
-garbage collection), so the inner loop only dispatches steps and never waits
-for the device except at stats periods.
+`train()` turns its arguments into a `RunConfig`, validates everything cheap,
+then runs the phases, each from the module named for it: the data
+(`feeder`), the state (`state_init`), the evaluators (`train_eval`,
+`inference`), then the epochs, with the console report from `report`. An
+epoch is the largest step count after which something has to happen (a
+checkpoint, an evaluation or a garbage collection; see `periods`), so the
+inner loop only dispatches steps and never waits for the device except at
+stats periods, where `divergence` judges the fetched metrics.
 """
 
 from __future__ import annotations
@@ -78,18 +81,6 @@ def validate(run: RunConfig, trainer: Any) -> Periods:
     raise ValueError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
                      f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
   return periods
-
-
-# ---------------------------------------------------------------------------
-# Data
-
-
-# ---------------------------------------------------------------------------
-# State
-
-
-# ---------------------------------------------------------------------------
-# Evaluation during training
 
 
 # ---------------------------------------------------------------------------
