@@ -6,9 +6,10 @@ For every gin file (by default gin/benchmarks/dense.gin and moe.gin):
   (a) model FLOPs utilisation: the model's FLOPs per training step
       (`BaseModel.train_flops_per_step`, 3 x the forward matmuls; see
       docs/performance.md) over the step time of a bare loop, divided by the
-      peak matmul FLOP/s measured in the same run (best of float32 and
-      bfloat16 jitted square matmuls of 1024, 2048 and 4096, measured before
-      and after every config, the fastest kept);
+      peak matmul FLOP/s of the dtype the model computes in, measured in the
+      same run (best jitted square matmul of 1024, 2048 and 4096 run as the
+      model runs it: float32, or bfloat16 inputs with float32 results on a
+      CPU; measured before and after every config, the fastest kept);
   (b) framework overhead: 1 - steps/s of the real `train()` main loop (data
       pipeline, prefetching, metrics, summaries, console) over steps/s of
       a bare loop calling the same compiled step on one resident batch. The
@@ -57,11 +58,14 @@ from t5lite import cli
 from t5lite import feeder
 from t5lite import state_init
 from t5lite import train as train_lib
+from t5lite.models import layers
 from t5lite.train_state import TrainState
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONFIGS = ("gin/benchmarks/dense.gin", "gin/benchmarks/moe.gin")
+# The dtypes models compute in, each with its own matmul peak.
+COMPUTE_DTYPES = ("float32", "bfloat16")
 # Targets on the 2-core CPU (docs/performance.md).
 TARGETS = {"gin/benchmarks/dense.gin": 0.40, "gin/benchmarks/moe.gin": 0.25}
 MAX_OVERHEAD, MIN_PIPELINE_RATIO = 0.03, 5.0
@@ -108,20 +112,22 @@ def _matmul_rate(n: int, dtype: str, repeats: int, result_dtype: str | None = No
 
 
 def matmul_peak(sizes: Sequence[int] = (1024, 2048, 4096), repeats: int = 5) -> dict[str, Any]:
-  """The MFU denominator: best FLOP/s of jitted square `x @ y` over sizes,
-  in float32 and in bfloat16.
-
-  Also measured, for reference only: bfloat16 inputs with a float32 result,
-  which on CPUs with AVX512-BF16 runs kernels about twice as fast as either
-  (the models ask for it on the CPU, see `layers.einsum`).
+  """The MFU denominators: best FLOP/s of jitted square `x @ y` over sizes,
+  for each dtype a model computes in, run as the models run it: float32,
+  and bfloat16 inputs with the result dtype `layers.einsum` asks for on this
+  backend (float32 on a CPU, whose AVX512-BF16 kernels need it; bfloat16 on
+  GPUs and TPUs).
   """
-  rates = {f"{dtype} {n}": _matmul_rate(n, dtype, repeats)
-           for dtype in ("float32", "bfloat16") for n in sizes}
-  best_name = max(rates, key=rates.get)
-  mixed = {f"bfloat16->float32 {n}": _matmul_rate(n, "bfloat16", repeats, "float32")
-           for n in sizes}
-  return {"flops_per_second": rates[best_name], "best": best_name, "all": rates,
-          "bfloat16_to_float32": max(mixed.values()), "bfloat16_to_float32_all": mixed}
+  rates = {f"{dtype} {n}": _matmul_rate(n, dtype, repeats,
+                                        layers.accumulation_dtype(jnp.dtype(dtype)))
+           for dtype in COMPUTE_DTYPES for n in sizes}
+  return {"all": rates, **_by_dtype(rates)}
+
+
+def _by_dtype(rates: Mapping[str, float]) -> dict[str, Any]:
+  best = {dtype: max((k for k in rates if k.split()[0] == dtype), key=rates.get)
+          for dtype in COMPUTE_DTYPES}
+  return {"flops_per_second": {dtype: rates[k] for dtype, k in best.items()}, "best": best}
 
 
 # ---------------------------------------------------------------------------
@@ -169,6 +175,7 @@ class BareLoop:
     self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.state.params)))
     shapes = {k: v.shape for k, v in self.batch.items()}
     self.flops_per_step = model.train_flops_per_step(shapes)
+    self.compute_dtype = model.compute_dtype()
     self.tokens_per_batch = _tokens_per_batch(self.batch)
     self.step = trainer.compile_train_step(specs.shardings,
                                            {k: v.sharding for k, v in self.batch.items()})
@@ -289,19 +296,20 @@ def best_peak(peaks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   """The fastest rate of every matmul over several `matmul_peak` runs: other
   processes on the machine only ever slow a measurement down."""
   rates = {k: max(p["all"][k] for p in peaks) for k in peaks[0]["all"]}
-  mixed = {k: max(p["bfloat16_to_float32_all"][k] for p in peaks)
-           for k in peaks[0]["bfloat16_to_float32_all"]}
-  best_name = max(rates, key=rates.get)
-  return {"flops_per_second": rates[best_name], "best": best_name, "all": rates,
-          "bfloat16_to_float32": max(mixed.values()), "bfloat16_to_float32_all": mixed,
-          "measurements": len(peaks)}
+  return {"all": rates, **_by_dtype(rates), "measurements": len(peaks)}
 
 
-def add_mfu(result: dict[str, Any], peak: float) -> None:
-  """MFU of the bare loop and of train() against the run's matmul peak."""
-  result["mfu"] = result["model_flops_per_second"] / peak
+def add_mfu(result: dict[str, Any], peak: Mapping[str, Any]) -> None:
+  """MFU of the bare loop and of train() against the run's matmul peak of
+  the dtype the model computes in (and, for reference, against the float32
+  peak)."""
+  rate = peak["flops_per_second"][result["compute_dtype"]]
+  result["peak_flops_per_second"] = rate
+  result["mfu"] = result["model_flops_per_second"] / rate
   result["train_loop_mfu"] = (result["flops_per_step"]
-                              * max(result["train_loop_steps_per_second"]) / peak)
+                              * max(result["train_loop_steps_per_second"]) / rate)
+  result["mfu_against_float32_peak"] = (result["model_flops_per_second"]
+                                        / peak["flops_per_second"]["float32"])
 
 
 def bench_config(gin_file: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -316,6 +324,7 @@ def bench_config(gin_file: str, args: argparse.Namespace) -> dict[str, Any]:
     periods, period_cpu = train_loop(args.steps)
     blocks += [bare.run(args.bare_steps) for _ in range(2)]
   flops, tokens, params = bare.flops_per_step, bare.tokens_per_batch, bare.num_params
+  compute_dtype = bare.compute_dtype
   blocks, block_cpu = [b[0] for b in blocks], [b[1] for b in blocks]
   bare_rate, train_rate = max(blocks), max(periods)
   del bare
@@ -323,6 +332,7 @@ def bench_config(gin_file: str, args: argparse.Namespace) -> dict[str, Any]:
   pipeline = pipeline_rate(args.pipeline_batches)
   result.update(
       num_params=params, flops_per_step=flops, tokens_per_batch=tokens,
+      compute_dtype=compute_dtype,
       bare_steps_per_second=blocks, train_loop_steps_per_second=periods,
       step_seconds=1 / bare_rate, model_flops_per_second=flops * bare_rate,
       framework_overhead=1 - train_rate / bare_rate,
@@ -353,11 +363,13 @@ def report(name: str, r: Mapping[str, Any], peak: Mapping[str, Any]) -> list[str
   lines = [f"{name}: {r['num_params'] / 1e6:.1f}M parameters, {r['flops_per_step'] / 1e9:.1f} GFLOP per step (3 x forward matmuls), "
            f"{r['tokens_per_batch']} token positions per batch; load average "
            f"{r['load_average_start'][0]:.1f} -> {r['load_average_end'][0]:.1f}"]
+  dtype = r["compute_dtype"]
   mfu = (f"  (a) MFU              {100 * r['mfu']:5.1f} %  ({r['model_flops_per_second'] / 1e9:.1f}"
-         f" of {peak['flops_per_second'] / 1e9:.1f} GFLOP/s peak; step {r['step_seconds']:.3f} s;"
-         f" {100 * r['train_loop_mfu']:.1f} % in train(); "
-         f"{100 * r['model_flops_per_second'] / peak['bfloat16_to_float32']:.1f} % of the "
-         "bfloat16->float32 rate)")
+         f" of {r['peak_flops_per_second'] / 1e9:.1f} GFLOP/s, the {dtype} peak; step "
+         f"{r['step_seconds']:.3f} s; {100 * r['train_loop_mfu']:.1f} % in train()"
+         + ("" if dtype == "float32" else
+            f"; {100 * r['mfu_against_float32_peak']:.1f} % against the float32 peak")
+         + ")")
   if target is not None:
     mfu += f"   target >= {100 * target:.0f} %: {_verdict(r['mfu'] >= target)}"
   lines.append(mfu)
@@ -438,7 +450,7 @@ def main() -> None:
     peaks.append(matmul_peak(args.matmul_sizes))
   peak = best_peak(peaks)
   for result in results.values():
-    add_mfu(result, peak["flops_per_second"])
+    add_mfu(result, peak)
   info["matmul_peak"] = peak
   info.update(results=results, load_average_end=os.getloadavg(),
               benchmark_process_peak_rss_bytes=resource.getrusage(
@@ -451,11 +463,11 @@ def main() -> None:
   print(f"t5lite training benchmark, commit {info['commit']}, {started:%Y-%m-%d %H:%M} UTC")
   print(f"machine: {m['cpu_model']}, {m['nproc']} cores; load average "
         f"{info['load_average_start'][0]:.1f} -> {info['load_average_end'][0]:.1f}")
-  print(f"matmul peak: {peak['flops_per_second'] / 1e9:.1f} GFLOP/s (best of "
-        f"{peak['measurements']} measurements; {peak['best']}; "
-        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peak["all"].items()) + ")")
-  print(f"  for reference, bfloat16 inputs with float32 results: "
-        f"{peak['bfloat16_to_float32'] / 1e9:.1f} GFLOP/s (not the MFU denominator)")
+  print("matmul peaks (MFU counts against the one of the model's dtype): "
+        + "; ".join(f"{dtype} {rate / 1e9:.1f} GFLOP/s ({peak['best'][dtype]})"
+                    for dtype, rate in peak["flops_per_second"].items())
+        + f"; best of {peak['measurements']} measurements of "
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peak["all"].items()))
   for name, r in results.items():
     print("\n".join(report(name, r, peak)))
   print(f"results: {output}")

@@ -46,6 +46,13 @@ flags.DEFINE_bool("dry_run", False,
                   "t5lite-train only: validate the config, build the model and mesh "
                   "abstractly and print parameters, memory per device, partitioning, data "
                   "and the checkpoint/eval schedule; compiles nothing, writes nothing.")
+flags.DEFINE_bool("compilation_cache", True,
+                  "Keep compiled programs in JAX's persistent compilation cache, so a restart "
+                  "or a rerun of the same configuration loads them instead of compiling; "
+                  "--nocompilation_cache turns it off.")
+flags.DEFINE_string("compilation_cache_dir", None,
+                    "Directory of the compilation cache (default: $JAX_COMPILATION_CACHE_DIR, "
+                    "else $XDG_CACHE_HOME/t5lite/jax-compilation, ~/.cache without it).")
 flags.DEFINE_integer("heartbeat_timeout", 100,
                      "Seconds without a heartbeat after which a peer counts as dead; the other "
                      "processes then stop, naming it.")
@@ -471,12 +478,15 @@ def one_line(error: BaseException) -> str:
 
 def _run(entry: Callable[[], Callable[..., object]]) -> None:
   """Common start-up, then the gin-configured entry point with user errors as one line."""
-  from t5lite import distributed
+  from t5lite import compilation_cache, distributed
   try:
     if FLAGS.dry_run and entry is not _train_entry:
       raise ValueError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
                        "the flag, or check the training config with t5lite-train --dry_run.")
     check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
+    # A dry run compiles nothing, so it leaves the cache directory alone too.
+    compilation_cache.configure(FLAGS.compilation_cache_dir,
+                                FLAGS.compilation_cache and not FLAGS.dry_run)
     distributed.validate(_distributed_config())
     _hide_gpus_from_tensorflow()
     distributed.initialize(_distributed_config())

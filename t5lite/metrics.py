@@ -116,27 +116,47 @@ def format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-# Dense bfloat16 peak FLOP/s of one chip (vendor datasheets, no sparsity), by
-# a substring of jax's `device_kind`; the first match wins, so specific
-# variants come first. Model FLOPs utilisation is reported where it is known.
+# Dense peak FLOP/s of one chip (vendor datasheets, no sparsity) by a
+# substring of jax's `device_kind` (the first match wins, so specific variants
+# come first) and by the dtype of the matmul inputs. MFU counts against the
+# peak of the dtype the model computes in: float32 matmuls at JAX's default
+# precision run on TF32 tensor cores on these GPUs and as one bfloat16 pass
+# on TPUs, so their float32 figure is that rate.
 PEAK_FLOPS_PER_DEVICE = {
-    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12,
-    "B200": 2250e12, "A100": 312e12, "L4": 121e12,
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 378e12},
+    "H100": {"bfloat16": 989e12, "float32": 494e12},
+    "H200": {"bfloat16": 989e12, "float32": 494e12},
+    "GH200": {"bfloat16": 989e12, "float32": 494e12},
+    "B200": {"bfloat16": 2250e12, "float32": 1100e12},
+    "A100": {"bfloat16": 312e12, "float32": 156e12},
+    "L4": {"bfloat16": 121e12, "float32": 60e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "TPU v6 lite": {"bfloat16": 918e12, "float32": 918e12},
 }
 
 
+def peak_dtype(compute_dtype: str | None) -> str:
+  """The row of `PEAK_FLOPS_PER_DEVICE` for a model computing in
+  `compute_dtype`: 16-bit floats take the bfloat16 peak, anything else
+  (or unknown) the float32 one."""
+  return "bfloat16" if compute_dtype in ("bfloat16", "float16") else "float32"
+
+
 def peak_flops_per_second(devices: Sequence[jax.Device] | None = None,
-                          per_device: float | None = None) -> float | None:
-  """Peak FLOP/s of all `devices` (default: every device of the job): from
-  `per_device` when given, else from the datasheet table, else None."""
+                          per_device: float | None = None,
+                          compute_dtype: str | None = None) -> float | None:
+  """Peak FLOP/s of all `devices` (default: every device of the job) for
+  matmuls in `compute_dtype`: from `per_device` when given, else from the
+  datasheet table, else None."""
   devices = list(devices or jax.devices())
   if per_device is not None:
     return per_device * len(devices)
   kind = devices[0].device_kind
-  for name, flops in PEAK_FLOPS_PER_DEVICE.items():
+  for name, peaks in PEAK_FLOPS_PER_DEVICE.items():
     if name in kind:
-      return flops * len(devices)
+      return peaks[peak_dtype(compute_dtype)] * len(devices)
   return None
 
 

@@ -10,20 +10,23 @@ import jax
 import numpy as np
 
 from t5lite import checkpoints as ckpt_lib
+from t5lite import compilation_cache
 from t5lite import inference
 from t5lite import metrics as metrics_lib
 from t5lite.feeder import TrainData
 
 
 def progress(model: Any, data: TrainData, start: int, end: int,
-              peak_flops_per_device: float | None = None) -> metrics_lib.Progress:
+             peak_flops_per_device: float | None = None) -> metrics_lib.Progress:
   """Throughput tracking, with model FLOP/s (and MFU where the devices'
-  peak is known) when the model can count its FLOPs."""
+  peak in the model's compute dtype is known) when the model can count its
+  FLOPs."""
   count = getattr(model, "train_flops_per_step", None)
   flops = count(data.global_shapes()) if count else None
-  return metrics_lib.Progress(end, start, flops_per_step=flops,
-                              peak_flops_per_second=metrics_lib.peak_flops_per_second(
-                                  per_device=peak_flops_per_device))
+  compute_dtype = getattr(model, "compute_dtype", lambda: None)()
+  peak = metrics_lib.peak_flops_per_second(per_device=peak_flops_per_device,
+                                           compute_dtype=compute_dtype)
+  return metrics_lib.Progress(end, start, flops_per_step=flops, peak_flops_per_second=peak)
 
 
 def value_count(tree: Any) -> int:
@@ -62,4 +65,5 @@ def summary(*, model_dir, checkpointer, start, end, seconds) -> str:
       f"Finished at step {end}: {ran} steps in {metrics_lib.format_duration(seconds)}{rate}.",
       f"  checkpoints: {checkpointer.directory} (steps {steps})",
       f"  summaries:   {', '.join(os.path.join(model_dir, d) for d in written)}",
-      f"  view with:   tensorboard --logdir {model_dir}"])
+      f"  view with:   tensorboard --logdir {model_dir}",
+      f"  {compilation_cache.use().describe()}"])

@@ -315,11 +315,12 @@ def train(*,
     prefetch_batches: training batches built and sent to the devices in a
       background thread while earlier steps run; 0 builds each batch when
       its step is dispatched.
-    peak_flops_per_device: peak FLOP/s of one device, for the MFU of the
-      progress line and `timing/mfu`; None takes the datasheet figure of the
+    peak_flops_per_device: peak FLOP/s of one device for matmuls in the
+      dtype the model computes in, for the MFU of the progress line and
+      `timing/mfu`; None takes the datasheet figure of that dtype for the
       GPUs and TPUs in `metrics.PEAK_FLOPS_PER_DEVICE` and shows model FLOP/s
-      alone on other devices (on a CPU, bind the matmul peak `make bench`
-      measures).
+      alone on other devices (on a CPU, bind the matmul peak of the model's
+      dtype that `make bench` measures).
     max_update_ratio: training stops (exit 3) at a step whose update is larger
       than this multiple of the parameters' norm; None disables. A NaN or
       Inf loss, gradient norm or parameter norm always stops it.

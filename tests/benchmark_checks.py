@@ -24,12 +24,16 @@ def check_run(results_dir, gin_file):
   # Measured before and after the config, for both dtypes.
   assert peak["measurements"] == 2
   assert set(peak["all"]) == {"float32 64", "bfloat16 64"}
-  assert peak["flops_per_second"] == max(peak["all"].values())
+  assert peak["flops_per_second"] == {"float32": peak["all"]["float32 64"],
+                                      "bfloat16": peak["all"]["bfloat16 64"]}
   r = info["results"][gin_file]
+  # MFU counts against the peak of the dtype the model computes in.
+  assert r["compute_dtype"] == "float32"  # local_tiny
+  assert r["peak_flops_per_second"] == peak["flops_per_second"]["float32"]
   # train() ran 6 steps in stats periods of 2; the first period compiles.
   assert len(r["train_loop_steps_per_second"]) == 2
   bare = max(r["bare_steps_per_second"])
-  assert r["mfu"] == pytest.approx(r["flops_per_step"] * bare / peak["flops_per_second"])
+  assert r["mfu"] == pytest.approx(r["flops_per_step"] * bare / r["peak_flops_per_second"])
   assert r["framework_overhead"] == pytest.approx(
       1 - max(r["train_loop_steps_per_second"]) / bare)
   assert r["pipeline_ratio"] == pytest.approx(
@@ -56,8 +60,37 @@ def check_decode(results_dir):
   assert result["cached"]["generated_tokens"] == result["uncached"]["generated_tokens"] > 0
 
 
+def check_compare_commits(results_dir, gin_file):
+  """benchmarks/compare_commits.py: one run of each side (4 steps, stats
+  every 2, the first period left out), the same training either way."""
+  info = _load(results_dir, "compare_commits")
+  r = info["results"][gin_file]
+  for side in ("base", "head"):
+    [run] = r["runs"][side]
+    assert len(run["periods"]) == 1
+    assert r[side]["median"] == run["steps_per_second"] == run["periods"][0] > 0
+    assert sorted(int(step) for step in run["loss"]) == [2, 4]
+  assert r["ratio"] == pytest.approx(r["head"]["median"] / r["base"]["median"])
+  # Base is the committed HEAD, head these files: the same numbers.
+  assert r["loss_largest_relative_difference"] == 0.0
+
+
+def check_startup(results_dir, gin_file):
+  """benchmarks/startup.py: a cold launch compiles what the warm one loads."""
+  r = _load(results_dir, "startup")["results"][gin_file]
+  [cold], [warm] = r["runs"]["cold"], r["runs"]["warm"]
+  assert cold["compiled"] > 0
+  assert warm["loaded"] == cold["loaded"] + cold["compiled"] and warm["compiled"] == 0
+  for run in (cold, warm):
+    assert 0 < run["first_step_seconds"] < run["total_seconds"]
+  assert r["warm_over_cold"] == pytest.approx(
+      warm["first_step_seconds"] / cold["first_step_seconds"])
+
+
 def check_all(results_dir, gin_file):
   """Every check, on the JSON files the scripts wrote to `results_dir`."""
   check_run(results_dir, gin_file)
+  check_compare_commits(results_dir, gin_file)
+  check_startup(results_dir, gin_file)
   check_checkpoint_blocking(results_dir)
   check_decode(results_dir)

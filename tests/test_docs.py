@@ -247,9 +247,12 @@ BENCH_TINY_ARGS = {
     "decode.py": ["--batch=2", "--length=8", "--repeats=1"],
     # The model of the tiny gin file _benchmark adds (2 + 2 layers, width 8).
     "import_throughput.py": ["--repeats=1"],
+    # Against the committed HEAD: a CI checkout may hold no older commit.
+    "compare_commits.py": ["--base=HEAD", "--runs=1", "--steps=4", "--stats=2"],
+    "startup.py": ["--runs=1"],
 }
 _WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py",
-                "import_throughput.py")
+                "import_throughput.py", "compare_commits.py", "startup.py")
 
 
 def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
@@ -263,6 +266,8 @@ def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
   if script == "checkpoint_blocking.py":
     out += ([] if any(t.startswith("--gin_file=") for t in out)
             else ["--gin_file=gin/pretrain_dense.gin"]) + [OVERLAY]
+  elif script == "compare_commits.py":  # each --gin_file is one more config to compare
+    out = [t for t in out if not t.startswith("--gin_file=")] + [BENCH_TINY_GIN]
   elif script != "decode.py":  # decode.py takes a model file, already tiny
     out = [BENCH_TINY_GIN if t.startswith("--gin_file=gin/benchmarks/") else t for t in out]
     out += [] if BENCH_TINY_GIN in out else [BENCH_TINY_GIN]

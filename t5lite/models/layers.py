@@ -60,7 +60,7 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
 
 
-def _accumulation_dtype(dtype: DType) -> DType | None:
+def accumulation_dtype(dtype: DType) -> DType | None:
   """The result dtype to ask of a matmul of `dtype` inputs.
 
   XLA on the CPU has fast bfloat16 kernels (AVX512-BF16) only for float32
@@ -78,10 +78,10 @@ def einsum(subscripts: str, a: Array, b: Array, dtype: DType) -> Array:
   """`jnp.einsum` of two operands cast to `dtype`, with the result in `dtype`.
 
   Low-precision products accumulate in float32 where that is also faster
-  (see `_accumulation_dtype`); the result is the same up to rounding.
+  (see `accumulation_dtype`); the result is the same up to rounding.
   """
   out = jnp.einsum(subscripts, jnp.asarray(a, dtype), jnp.asarray(b, dtype),
-                   preferred_element_type=_accumulation_dtype(dtype))
+                   preferred_element_type=accumulation_dtype(dtype))
   return out.astype(dtype)
 
 
@@ -192,7 +192,7 @@ class DenseGeneral(nn.Module):
     contract = (axis, tuple(range(len(in_dims))))
     # [..., *in_dims] x [*in_dims, *features] -> [..., *features]
     out = jax.lax.dot_general(inputs, kernel, (contract, ((), ())),
-                              preferred_element_type=_accumulation_dtype(self.dtype))
+                              preferred_element_type=accumulation_dtype(self.dtype))
     return out.astype(self.dtype)
 
 

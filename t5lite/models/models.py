@@ -299,6 +299,15 @@ class BaseModel(abc.ABC):
       encoder_length = input_shapes["encoder_input_tokens"][1]
     return 3 * transformer.forward_flops(config, batch, decoder_length, encoder_length)["total"]
 
+  def compute_dtype(self) -> str | None:
+    """The dtype of the model's matmul inputs ('float32', 'bfloat16', ...),
+    whose peak rate its MFU counts against; None when the module is not a
+    t5lite transformer."""
+    config = getattr(self.module, "config", None)
+    if not isinstance(config, transformer.TransformerConfig):
+      return None
+    return jnp.dtype(config.dtype).name
+
   def validate_num_microbatches(self, num_microbatches: int | None) -> None:
     """Checks that microbatches of a batch give the full batch's results.
 
