@@ -7,9 +7,11 @@ the machine's load touches both sides alike. A run's speed is the median of
 `timing/steps_per_second` over its stats periods, the first one (which holds
 the compilation) left out; the report gives, per config and side, the median
 over runs with the spread (min - max), the ratio head / base of the medians,
-and the largest relative difference between the two sides' training losses,
-step by step (the same data and initialisation: equal to float32 rounding
-unless the change means to alter the numbers).
+the median and spread of the ratios of each head run to the base run just
+before it (which cancels a drift of the machine's speed), and the largest
+relative difference between the two sides' training losses, step by step
+(the same data and initialisation: equal to float32 rounding unless the
+change means to alter the numbers).
 
   .venv/bin/python benchmarks/compare_commits.py --base=39b9101 \
       --gin_file=gin/pretrain_dense.gin --runs=3
@@ -144,9 +146,14 @@ def main() -> None:
           print(f"{gin_file} {side} run {i + 1}: {run['steps_per_second']:.3f} steps/s",
                 flush=True)
       stats = {side: summary([r["steps_per_second"] for r in runs[side]]) for side in runs}
+      # Each head run over the base run just before it: a drift in the
+      # machine's speed over the invocation cancels within a pair.
+      pairs = [h["steps_per_second"] / b["steps_per_second"]
+               for b, h in zip(runs["base"], runs["head"])]
       results[gin_file] = {
           **stats, "runs": runs,
           "ratio": stats["head"]["median"] / stats["base"]["median"],
+          "pair_ratios": {**summary(pairs), "all": pairs},
           "loss_largest_relative_difference": largest_relative_difference(
               runs["base"][0]["loss"], runs["head"][0]["loss"])}
   info = {"when": started.isoformat(), "base": sides["base"]["commit"],
@@ -162,7 +169,8 @@ def main() -> None:
     b, h = r["base"], r["head"]
     print(f"{gin_file}: base {b['median']:.3f} steps/s ({b['min']:.3f} - {b['max']:.3f}), "
           f"head {h['median']:.3f} ({h['min']:.3f} - {h['max']:.3f}): "
-          f"x{r['ratio']:.3f}; losses differ by at most "
+          f"x{r['ratio']:.3f} (pair by pair x{r['pair_ratios']['median']:.3f}, "
+          f"{r['pair_ratios']['min']:.3f} - {r['pair_ratios']['max']:.3f}); losses differ by at most "
           f"{r['loss_largest_relative_difference']:.2e} (relative)")
   print(f"results: {output}")
 

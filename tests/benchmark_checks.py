@@ -28,8 +28,10 @@ def check_run(results_dir, gin_file):
                                       "bfloat16": peak["all"]["bfloat16 64"]}
   r = info["results"][gin_file]
   # MFU counts against the peak of the dtype the model computes in.
-  assert r["compute_dtype"] == "float32"  # local_tiny
-  assert r["peak_flops_per_second"] == peak["flops_per_second"]["float32"]
+  assert r["compute_dtype"] == "bfloat16"  # the dense benchmark config, made tiny
+  assert r["peak_flops_per_second"] == peak["flops_per_second"]["bfloat16"]
+  assert r["mfu_against_float32_peak"] == pytest.approx(
+      r["model_flops_per_second"] / peak["flops_per_second"]["float32"])
   # train() ran 6 steps in stats periods of 2; the first period compiles.
   assert len(r["train_loop_steps_per_second"]) == 2
   bare = max(r["bare_steps_per_second"])
@@ -71,6 +73,7 @@ def check_compare_commits(results_dir, gin_file):
     assert r[side]["median"] == run["steps_per_second"] == run["periods"][0] > 0
     assert sorted(int(step) for step in run["loss"]) == [2, 4]
   assert r["ratio"] == pytest.approx(r["head"]["median"] / r["base"]["median"])
+  assert r["pair_ratios"]["all"] == [pytest.approx(r["ratio"])]
   # Base is the committed HEAD, head these files: the same numbers.
   assert r["loss_largest_relative_difference"] == 0.0
 
