@@ -28,6 +28,7 @@ import numpy as np
 
 from t5lite import checkpoints
 from t5lite import cli
+from t5lite import metrics
 from t5lite import train as train_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,13 +81,7 @@ class _SaveTimer:
 
 
 def _steps_per_second(model_dir: str) -> dict[int, float]:
-  from tensorboard.backend.event_processing import event_accumulator
-  from tensorflow.python.framework import tensor_util
-  acc = event_accumulator.EventAccumulator(os.path.join(model_dir, "train"),
-                                           size_guidance={"tensors": 0})
-  acc.Reload()
-  return {e.step: float(tensor_util.MakeNdarray(e.tensor_proto))
-          for e in acc.Tensors("timing/steps_per_second")}
+  return metrics.read_scalars(os.path.join(model_dir, "train"), "timing/steps_per_second")
 
 
 def _step_times(rates: dict[int, float], stats: int,

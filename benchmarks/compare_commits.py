@@ -36,6 +36,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from t5lite import metrics
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 # TensorFlow (the event reader here, the data pipeline in the runs) keeps its
 # C++ start-up logs to itself, as t5lite's commands make it.
@@ -75,16 +77,6 @@ def environment(tree: str) -> dict[str, str]:
   return env
 
 
-def event_scalars(logdir: str, tag: str) -> dict[int, float]:
-  from tensorboard.backend.event_processing import event_accumulator
-  acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
-  acc.Reload()
-  if tag in acc.Tags().get("scalars", []):
-    return {e.step: e.value for e in acc.Scalars(tag)}
-  from tensorflow.python.framework import tensor_util  # clu writes tensor summaries
-  return {e.step: float(tensor_util.MakeNdarray(e.tensor_proto)) for e in acc.Tensors(tag)}
-
-
 def train_once(tree: str, env: dict[str, str], gin_file: str, args: argparse.Namespace,
                model_dir: str) -> dict[str, Any]:
   """One `t5lite-train` run from `tree`; its steady steps/s and losses."""
@@ -97,12 +89,12 @@ def train_once(tree: str, env: dict[str, str], gin_file: str, args: argparse.Nam
   if done.returncode:
     raise SystemExit(f"t5lite-train from {tree} exited {done.returncode}:\n{done.stderr[-3000:]}")
   logdir = os.path.join(model_dir, "train")
-  rates = event_scalars(logdir, "timing/steps_per_second")
+  rates = metrics.read_scalars(logdir, "timing/steps_per_second")
   steady = [rate for step, rate in sorted(rates.items())][1:]
   if not steady:
     raise SystemExit(f"{gin_file}: no stats period after the first; raise --steps")
   return {"steps_per_second": statistics.median(steady), "periods": steady,
-          "loss": {str(k): v for k, v in sorted(event_scalars(logdir, "loss").items())}}
+          "loss": {str(k): v for k, v in sorted(metrics.read_scalars(logdir, "loss").items())}}
 
 
 def largest_relative_difference(a: dict[str, float], b: dict[str, float]) -> float:

@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from t5lite import metrics
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 # TensorFlow (the event reader here, the data pipeline in the runs) keeps its
 # C++ start-up logs to itself, as t5lite's commands make it.
@@ -38,12 +40,8 @@ _CACHE_USE = re.compile(r"compilation cache \S+: (\d+) program\(s\) loaded, (\d+
 
 
 def first_step_wall_time(model_dir: str) -> float:
-  from tensorboard.backend.event_processing import event_accumulator
-  acc = event_accumulator.EventAccumulator(os.path.join(model_dir, "train"),
-                                           size_guidance={"scalars": 0, "tensors": 0})
-  acc.Reload()
-  events = acc.Scalars("loss") if "loss" in acc.Tags().get("scalars", []) else acc.Tensors("loss")
-  return min(e.wall_time for e in events if e.step == 1)
+  events = metrics.read_scalar_events(os.path.join(model_dir, "train"), "loss")
+  return min(wall_time for step, wall_time, _ in events if step == 1)
 
 
 def launch(gin_file: str, model_dir: str, cache: str, extra: list[str]) -> dict[str, Any]:

@@ -102,4 +102,4 @@ def use() -> CacheUse:
   if not jax.config.jax_enable_compilation_cache or not directory:
     return CacheUse(None, 0, 0)
   hits = _EVENTS[_HIT_EVENT]
-  return CacheUse(jax.config.jax_compilation_cache_dir, hits, _EVENTS[_REQUEST_EVENT] - hits)
+  return CacheUse(directory, hits, _EVENTS[_REQUEST_EVENT] - hits)

@@ -91,6 +91,25 @@ class SummaryWriter:
     self._writer.close()
 
 
+def read_scalar_events(logdir: str, tag: str) -> list[tuple[int, float, float]]:
+  """(step, wall time, value) of every `tag` summary `SummaryWriter` wrote
+  to `logdir`, in the order written: what TensorBoard shows, read back (for
+  tests and benchmarks)."""
+  from tensorboard.backend.event_processing import event_accumulator
+  acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
+  acc.Reload()
+  if tag in acc.Tags().get("scalars", []):
+    return [(e.step, e.wall_time, e.value) for e in acc.Scalars(tag)]
+  from tensorflow.python.framework import tensor_util  # clu writes tensor summaries
+  return [(e.step, e.wall_time, float(tensor_util.MakeNdarray(e.tensor_proto)))
+          for e in acc.Tensors(tag)]
+
+
+def read_scalars(logdir: str, tag: str) -> dict[int, float]:
+  """{step: value} of the `tag` summaries in `logdir` (see `read_scalar_events`)."""
+  return {step: value for step, _, value in read_scalar_events(logdir, tag)}
+
+
 def fetch(per_step: Sequence[Mapping[str, jax.Array]]) -> list[dict[str, float]]:
   """Brings a stats period of per-step device metrics to the host in one transfer."""
   return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(per_step))]

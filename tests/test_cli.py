@@ -11,9 +11,9 @@ import time
 
 import gin
 import pytest
-from tensorboard.backend.event_processing import event_accumulator
 
 from t5lite import cli
+from t5lite import metrics
 from t5lite import testing
 
 BIN = os.path.dirname(sys.executable)
@@ -93,13 +93,8 @@ class Child:
     return self.proc.returncode, "".join(self._out), "".join(self._err)
 
 
-def scalars(logdir, tag):
-  acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
-  acc.Reload()
-  if tag in acc.Tags().get("scalars", []):
-    return {e.step: e.value for e in acc.Scalars(tag)}
-  from tensorflow.python.framework import tensor_util  # clu writes tensor summaries
-  return {e.step: float(tensor_util.MakeNdarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+# Other test modules import it from here under this name.
+scalars = metrics.read_scalars
 
 
 # ---------------------------------------------------------------------------
