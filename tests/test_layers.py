@@ -66,6 +66,42 @@ def test_relative_position_biases_gather_per_head():
   np.testing.assert_allclose(bias[0], np.asarray(table)[:, buckets], rtol=1e-6)
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_biases_static_and_traced_offsets_agree_with_their_gradient(
+    bidirectional):
+  """Under jit, a Python-int offset (buckets fixed while tracing) and a
+  traced per-example offset give the same bias, equal to indexing the table
+  with the buckets, and the table's gradient of a weighted sum of the bias
+  is the weights summed into each (head, bucket)."""
+  module = layers.RelativePositionBiases(num_buckets=10, max_distance=20, num_heads=HEADS)
+  table = nn.unbox(_init(module, Q_LEN, KV_LEN))["params"]["rel_embedding"]
+  weights = _normal(3, (BATCH, HEADS, Q_LEN, KV_LEN))
+
+  def loss(table, offset):
+    bias = module.apply({"params": {"rel_embedding": table}}, Q_LEN, KV_LEN,
+                        bidirectional=bidirectional, q_offset=offset)
+    return jnp.sum(jnp.broadcast_to(bias, weights.shape) * weights), bias
+
+  static = jax.jit(jax.grad(lambda t: loss(t, 2), has_aux=True))
+  traced = jax.jit(jax.grad(loss, has_aux=True))
+  grad_static, bias_static = static(table)
+  grad_traced, bias_traced = traced(table, jnp.full((BATCH,), 2, jnp.int32))
+  assert bias_static.shape == (1, HEADS, Q_LEN, KV_LEN)
+  assert bias_traced.shape == (BATCH, HEADS, Q_LEN, KV_LEN)
+  rel = np.arange(KV_LEN)[None, :] - (np.arange(Q_LEN)[:, None] + 2)
+  buckets = np.asarray(layers.relative_position_bucket(rel, bidirectional, 10, 20))
+  want_bias = np.asarray(table)[:, buckets]
+  np.testing.assert_array_equal(bias_static[0], want_bias)
+  for b in range(BATCH):
+    np.testing.assert_array_equal(bias_traced[b], want_bias)
+  want_grad = np.zeros((HEADS, 10), np.float64)
+  summed = np.asarray(weights, np.float64).sum(axis=0)  # [heads, q, k]
+  for h in range(HEADS):
+    np.add.at(want_grad[h], buckets, summed[h])
+  np.testing.assert_allclose(grad_static, want_grad, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grad_traced, want_grad, rtol=1e-5, atol=1e-5)
+
+
 def test_dense_general_contracts_and_names_axes():
   module = layers.DenseGeneral(features=(HEADS, HEAD_DIM), kernel_axes=(ax.EMBED, ax.HEADS, ax.KV))
   x = _normal(1, (BATCH, Q_LEN, EMBED))

@@ -354,22 +354,37 @@ class RelativePositionBiases(nn.Module):
         nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
                                      (ax.HEADS, ax.RELPOS_BUCKETS)),
         (self.num_heads, self.num_buckets), jnp.float32)
+    if isinstance(q_offset, (int, np.integer)):
+      # A static offset (training, evaluation, prefill): the buckets are
+      # constants, computed once while tracing by the same float32 code.
+      with jax.ensure_compile_time_eval():
+        buckets = np.asarray(self._buckets(q_length, k_length, bidirectional, q_offset))
+    else:
+      buckets = self._buckets(q_length, k_length, bidirectional, q_offset)
+    # A gather from the tiny [heads, buckets] table; its gradient is a
+    # scatter-add of the bias gradient into the table. (A one-hot
+    # contraction costs a full [heads, buckets] x [q, k, buckets] matmul
+    # each way, which XLA on the CPU fuses into a slow loop.) The heads axis
+    # stays a pass-through dimension of the gather, so it partitions
+    # along with a sharded table.
+    table = jnp.asarray(rel_embedding, self.dtype)
+    bias = jnp.take(table, buckets, axis=1, mode="clip")  # [heads, (batch,) q, k]
+    if buckets.ndim == 2:
+      return bias[None]  # [1, heads, q_length, k_length]
+    return jnp.transpose(bias, (1, 0, 2, 3))  # [batch, heads, q_length, k_length]
+
+  def _buckets(self, q_length: int, k_length: int, bidirectional: bool,
+               q_offset: int | Array) -> Array:
+    """Bucket ids `[q_length, k_length]`, or `[batch, q_length, k_length]`
+    for a `[batch]` offset."""
     q_offset = jnp.asarray(q_offset, jnp.int32)
     if q_offset.ndim > 1:
       raise ValueError(f"q_offset must be a scalar or [batch], got shape {q_offset.shape}.")
     # [q_length, 1] for a scalar offset, [batch, q_length, 1] for one per example.
     q_pos = jnp.arange(q_length, dtype=jnp.int32)[:, None] + q_offset[..., None, None]
     k_pos = jnp.arange(k_length, dtype=jnp.int32)[None, :]  # [1, k_length]
-    buckets = relative_position_bucket(k_pos - q_pos, bidirectional,
-                                       self.num_buckets, self.max_distance)
-    if q_offset.ndim == 0:
-      buckets = buckets[None]  # [1, q_length, k_length]
-    # Gather via one-hot matmul: a gather over a sharded heads axis partitions
-    # badly, a contraction does not.
-    one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=self.dtype)
-    # [heads, buckets] x [batch or 1, q_length, k_length, buckets]
-    #   -> [batch or 1, heads, q_length, k_length]
-    return jnp.einsum("hb,nqkb->nhqk", jnp.asarray(rel_embedding, self.dtype), one_hot)
+    return relative_position_bucket(k_pos - q_pos, bidirectional, self.num_buckets,
+                                    self.max_distance)
 
 
 class MultiHeadDotProductAttention(nn.Module):
