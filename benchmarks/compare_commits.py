@@ -11,7 +11,9 @@ the median and spread of the ratios of each head run to the base run just
 before it (which cancels a drift of the machine's speed), and the largest
 relative difference between the two sides' training losses, step by step
 (the same data and initialisation: equal to float32 rounding unless the
-change means to alter the numbers).
+change means to alter the numbers), and each side's peak host memory (the
+resident-set high-water mark of its `t5lite-train` processes: median and
+spread, and head / base).
 
   .venv/bin/python benchmarks/compare_commits.py --base=39b9101 \
       --gin_file=gin/pretrain_dense.gin --runs=3
@@ -85,15 +87,22 @@ def train_once(tree: str, env: dict[str, str], gin_file: str, args: argparse.Nam
              f"--gin.TRAIN_STEPS={args.steps}", f"--gin.STATS_PERIOD={args.stats}",
              f"--gin.EVAL_PERIOD={args.steps}", "--gin.EVAL_STEPS=1",
              f"--gin.CHECKPOINT_PERIOD={args.steps}"]
-  done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
-  if done.returncode:
-    raise SystemExit(f"t5lite-train from {tree} exited {done.returncode}:\n{done.stderr[-3000:]}")
+  log = os.path.join(model_dir + ".log")
+  with open(log, "w") as out:
+    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+    # The child's own resource usage: its resident-set high-water mark.
+    _, status, usage = os.wait4(proc.pid, 0)
+  code = os.waitstatus_to_exitcode(status)
+  if code:
+    with open(log) as f:
+      raise SystemExit(f"t5lite-train from {tree} exited {code}:\n{f.read()[-3000:]}")
   logdir = os.path.join(model_dir, "train")
   rates = metrics.read_scalars(logdir, "timing/steps_per_second")
   steady = [rate for step, rate in sorted(rates.items())][1:]
   if not steady:
     raise SystemExit(f"{gin_file}: no stats period after the first; raise --steps")
   return {"steps_per_second": statistics.median(steady), "periods": steady,
+          "peak_host_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
           "loss": {str(k): v for k, v in sorted(metrics.read_scalars(logdir, "loss").items())}}
 
 
@@ -102,6 +111,11 @@ def largest_relative_difference(a: dict[str, float], b: dict[str, float]) -> flo
   if not steps:
     return float("nan")
   return max(abs(a[s] - b[s]) / max(abs(a[s]), 1e-30) for s in steps)
+
+
+def _gib(stats: dict[str, float]) -> str:
+  return (f"{stats['median'] / 2**30:.2f} ({stats['min'] / 2**30:.2f} - "
+          f"{stats['max'] / 2**30:.2f})")
 
 
 def summary(rates: Sequence[float]) -> dict[str, float]:
@@ -138,6 +152,7 @@ def main() -> None:
           print(f"{gin_file} {side} run {i + 1}: {run['steps_per_second']:.3f} steps/s",
                 flush=True)
       stats = {side: summary([r["steps_per_second"] for r in runs[side]]) for side in runs}
+      memory = {side: summary([r["peak_host_bytes"] for r in runs[side]]) for side in runs}
       # Each head run over the base run just before it: a drift in the
       # machine's speed over the invocation cancels within a pair.
       pairs = [h["steps_per_second"] / b["steps_per_second"]
@@ -146,6 +161,8 @@ def main() -> None:
           **stats, "runs": runs,
           "ratio": stats["head"]["median"] / stats["base"]["median"],
           "pair_ratios": {**summary(pairs), "all": pairs},
+          "peak_host_bytes": memory,
+          "peak_host_ratio": memory["head"]["median"] / memory["base"]["median"],
           "loss_largest_relative_difference": largest_relative_difference(
               runs["base"][0]["loss"], runs["head"][0]["loss"])}
   info = {"when": started.isoformat(), "base": sides["base"]["commit"],
@@ -163,7 +180,9 @@ def main() -> None:
           f"head {h['median']:.3f} ({h['min']:.3f} - {h['max']:.3f}): "
           f"x{r['ratio']:.3f} (pair by pair x{r['pair_ratios']['median']:.3f}, "
           f"{r['pair_ratios']['min']:.3f} - {r['pair_ratios']['max']:.3f}); losses differ by at most "
-          f"{r['loss_largest_relative_difference']:.2e} (relative)")
+          f"{r['loss_largest_relative_difference']:.2e} (relative); peak host memory "
+          f"{_gib(r['peak_host_bytes']['base'])} -> {_gib(r['peak_host_bytes']['head'])} GiB "
+          f"(x{r['peak_host_ratio']:.3f})")
   print(f"results: {output}")
 
 

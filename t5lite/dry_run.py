@@ -18,9 +18,12 @@ it are only listed (to find the step a real run would resume from).
 Activation memory is an estimate: the tensors that autodiff keeps from the
 forward pass for the backward pass, traced (`jax.make_jaxpr` of `jax.vjp`,
 no compilation) at the per-device batch. Tracing follows the model's own
-`remat_policy` and `scan_layers`, MoE dispatch and attention included. XLA
-may fuse some of those tensors away or add temporaries of its own, and
-activations split over the `model` mesh axis are counted whole.
+`remat_policy` and `scan_layers`, MoE dispatch and attention included,
+except where the backend's compiler undoes the policy (on the CPU, remat
+outside a scan; see `BaseModel.as_compiled_for`). XLA may fuse some of
+those tensors away or add temporaries of its own, and activations split
+over the `model` mesh axis are counted whole. `benchmarks/memory.py`
+compares the estimate with what the compiled step allocates.
 """
 
 from __future__ import annotations
@@ -223,7 +226,9 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
 
   Traces (never compiles) the training loss under `jax.vjp` and adds up
   the residuals the pullback closes over, except the parameters and
-  inputs themselves. Remat and scan are whatever the model does.
+  inputs themselves. Remat and scan are what the model does as compiled
+  on this backend (`BaseModel.as_compiled_for`: on the CPU, remat outside a
+  scan saves nothing).
 
   Args:
     model: gives `loss_fn`.
@@ -243,6 +248,7 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
     loss = lambda p: model.loss_fn(p, batch, jax.random.key(0))[0]
     return jax.vjp(loss, params)[1]
 
+  model = model.as_compiled_for(jax.default_backend())
   jaxpr = jax.make_jaxpr(residuals)(abstract_params, batch).jaxpr
   inputs = {id(v) for v in jaxpr.invars}
   seen, total = set(), 0

@@ -72,6 +72,10 @@ def check_compare_commits(results_dir, gin_file):
     assert len(run["periods"]) == 1
     assert r[side]["median"] == run["steps_per_second"] == run["periods"][0] > 0
     assert sorted(int(step) for step in run["loss"]) == [2, 4]
+    # A process that imported JAX and TensorFlow and trained holds hundreds of MiB.
+    assert 2**28 < run["peak_host_bytes"] == r["peak_host_bytes"][side]["median"] < 2**36
+  assert r["peak_host_ratio"] == pytest.approx(
+      r["peak_host_bytes"]["head"]["median"] / r["peak_host_bytes"]["base"]["median"])
   assert r["ratio"] == pytest.approx(r["head"]["median"] / r["base"]["median"])
   assert r["pair_ratios"]["all"] == [pytest.approx(r["ratio"])]
   # Base is the committed HEAD, head these files: the same numbers.
@@ -90,10 +94,29 @@ def check_startup(results_dir, gin_file):
       warm["first_step_seconds"] / cold["first_step_seconds"])
 
 
+def check_memory(results_dir, gin_file):
+  """benchmarks/memory.py: the estimate and the compiled step's figures add up."""
+  info = _load(results_dir, "memory")
+  variants = info["results"][gin_file]
+  assert set(variants) == {"as configured", "scan_layers", "remat full",
+                           "scan_layers + remat full"}
+  for r in variants.values():
+    e, c = r["estimate"], r["compiled"]
+    assert e["total"] == e["parameters"] + e["gradients"] + e["optimizer"] + e["activations"]
+    assert c["total"] == c["arguments"] + c["temporaries"] + c["outputs"] - c["aliased"] > 0
+    assert r["ratio"] == pytest.approx(e["total"] / c["total"])
+    assert r["within_tolerance"] == (abs(r["ratio"] - 1) <= info["tolerance"])
+  # Remat in a scan keeps less for the backward pass, in the estimate and compiled.
+  full, plain = variants["scan_layers + remat full"], variants["scan_layers"]
+  assert full["estimate"]["activations"] < plain["estimate"]["activations"]
+  assert full["compiled"]["temporaries"] < plain["compiled"]["temporaries"]
+
+
 def check_all(results_dir, gin_file):
   """Every check, on the JSON files the scripts wrote to `results_dir`."""
   check_run(results_dir, gin_file)
   check_compare_commits(results_dir, gin_file)
   check_startup(results_dir, gin_file)
+  check_memory(results_dir, gin_file)
   check_checkpoint_blocking(results_dir)
   check_decode(results_dir)

@@ -250,9 +250,10 @@ BENCH_TINY_ARGS = {
     # Against the committed HEAD: a CI checkout may hold no older commit.
     "compare_commits.py": ["--base=HEAD", "--runs=1", "--steps=4", "--stats=2"],
     "startup.py": ["--runs=1"],
+    "memory.py": [],
 }
 _WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py",
-                "import_throughput.py", "compare_commits.py", "startup.py")
+                "import_throughput.py", "compare_commits.py", "startup.py", "memory.py")
 
 
 def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:

@@ -10,6 +10,7 @@ import subprocess
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cli import BIN, TINY
@@ -249,9 +250,23 @@ def test_activation_estimate_follows_remat_and_batch(clean_gin):
     by_batch.append(_estimate(base, examples)[0])
   # Linear in the batch; the relative-position one-hots do not depend on it.
   assert by_batch[2] - by_batch[1] == by_batch[1] - by_batch[0] > 0
+  remat = "--gin.transformer.TransformerConfig.remat_policy='full'"
+  scan = "--gin.transformer.TransformerConfig.scan_layers=True"
   gin.config.clear_config(clear_constants=True)
-  full, _ = _estimate([*base, "--gin.transformer.TransformerConfig.remat_policy='full'"], 4)
-  assert full < by_batch[1] / 2  # full remat keeps little more than the layers' inputs
+  scanned, _ = _estimate([*base, scan], 4)
+  gin.config.clear_config(clear_constants=True)
+  scanned_full, _ = _estimate([*base, scan, remat], 4)
+  assert scanned_full < scanned / 2  # full remat keeps little more than the layers' inputs
+  # Outside a scan, XLA on the CPU merges the recomputation back into the
+  # forward pass: the estimate there is that of no remat; other backends
+  # keep the policy.
+  gin.config.clear_config(clear_constants=True)
+  full, (kwargs, shapes, types, specs) = _estimate([*base, remat], 4)
+  assert jax.default_backend() == "cpu" and full == by_batch[1]
+  model = kwargs["model"]
+  assert model.as_compiled_for("gpu") is model
+  assert model.as_compiled_for("cpu").module.config.remat_policy == "none"
+  assert model.module.config.remat_policy == "full"  # the model itself is unchanged
 
 
 def test_activation_estimate_is_near_the_compiled_step(clean_gin):
@@ -266,3 +281,30 @@ def test_activation_estimate_is_near_the_compiled_step(clean_gin):
                                     {k: partitioner.batch_sharding(2) for k in batch})
   temp = step.lower(specs.abstract, batch).compile().memory_analysis().temp_size_in_bytes
   assert 0.5 < estimate / temp < 2.0, (estimate, temp)
+
+
+def test_xla_on_the_cpu_keeps_remat_only_inside_a_scan():
+  """What `BaseModel.as_compiled_for` relies on: on the CPU a rematerialised
+  layer outside a scan compiles to the memory of no remat, while a scanned
+  one saves most of it. If XLA changes this, the estimate must follow."""
+  def layer(x, w):
+    h = jnp.tanh(x @ w)
+    return jnp.sin(h @ w.T) + x, None
+
+  def temp_bytes(remat, scan):
+    body = jax.checkpoint(layer) if remat else layer
+
+    def loss(ws, x):
+      if scan:
+        x, _ = jax.lax.scan(body, x, ws)
+      else:
+        for w in ws:
+          x, _ = body(x, w)
+      return jnp.sum(x ** 2)
+
+    ws, x = jnp.ones((6, 64, 256)), jnp.ones((1024, 64))
+    compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temp_bytes(remat=True, scan=False) > 0.9 * temp_bytes(remat=False, scan=False)
+  assert temp_bytes(remat=True, scan=True) < 0.5 * temp_bytes(remat=False, scan=True)

@@ -324,3 +324,18 @@ def test_activation_constraints_reach_the_jaxpr_under_a_mesh():
     jaxpr = jax.make_jaxpr(module.apply)(variables, x)
   constraints = [e for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"]
   assert len(constraints) >= 2
+
+
+def test_broadcast_batch_repeats_the_bias_and_sums_its_gradient():
+  bias = _normal(4, (1, HEADS, Q_LEN, KV_LEN))
+  upstream = _normal(5, (BATCH, HEADS, Q_LEN, KV_LEN))
+  out, pullback = jax.vjp(lambda b: layers.broadcast_batch(b, BATCH), bias)
+  assert out.shape == (BATCH, HEADS, Q_LEN, KV_LEN)
+  for b in range(BATCH):
+    np.testing.assert_array_equal(out[b], bias[0])
+  (grad,) = pullback(upstream)
+  np.testing.assert_allclose(grad, np.asarray(upstream).sum(axis=0, keepdims=True),
+                             rtol=1e-6, atol=1e-6)
+  # A bias that already has a batch axis, or a batch of one, passes through.
+  assert layers.broadcast_batch(upstream, BATCH) is upstream
+  assert layers.broadcast_batch(bias, 1) is bias

@@ -521,6 +521,20 @@ class MultiHeadDotProductAttention(nn.Module):
     return cached[0], cached[1]
 
 
+def broadcast_batch(bias: Array, batch: int) -> Array:
+  """A bias `[1, ...]` (one for all examples) as `[batch, ...]`.
+
+  Written as a product with ones, whose gradient is a contraction over the
+  batch (a matrix-vector product) instead of a sum over the leading axis,
+  which XLA on the CPU runs as a strided loop about ten times slower. The
+  values are the bias's own, exactly. A bias with a batch axis already, or
+  a batch of one, is returned as it is.
+  """
+  if bias.shape[0] != 1 or batch == 1:
+    return bias
+  return jnp.einsum("b,...->b...", jnp.ones((batch,), bias.dtype), bias[0])
+
+
 def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
   """Turns a boolean mask into an additive bias and adds `bias` to it.
 
@@ -534,7 +548,7 @@ def combine_biases(mask: Array | None, bias: Array | None) -> Array | None:
   if mask is None:
     return bias
   mask_bias = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
-  return mask_bias if bias is None else mask_bias + bias
+  return mask_bias if bias is None else mask_bias + broadcast_batch(bias, mask.shape[0])
 
 
 def fused_attention_backend(query: Array, key: Array, bias: Array | None,
@@ -596,9 +610,11 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
     `[batch, q_length, heads, kv]` in the dtype of `query`.
   """
   implementation = fused_attention_backend(query, key, bias, mask, training)
-  if bias is not None:
-    # cuDNN takes the bias in the compute dtype; XLA adds it to float32 logits.
-    bias = bias.astype(query.dtype if implementation == "cudnn" else jnp.float32)
+  if bias is not None and implementation == "cudnn":
+    bias = bias.astype(query.dtype)  # cuDNN takes the bias in the compute dtype
+  elif bias is not None:
+    # XLA adds it to float32 logits, every example's (see `broadcast_batch`).
+    bias = broadcast_batch(bias.astype(jnp.float32), query.shape[0])
   return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=1.0,
                                       implementation=implementation)
 

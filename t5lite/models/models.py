@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping
+import copy
 import dataclasses
 from typing import Any
 
@@ -307,6 +308,31 @@ class BaseModel(abc.ABC):
     if not isinstance(config, transformer.TransformerConfig):
       return None
     return jnp.dtype(config.dtype).name
+
+  def as_compiled_for(self, backend: str) -> BaseModel:
+    """This model as XLA on `backend` keeps its activations, for estimates.
+
+    XLA on the CPU removes optimization barriers before it merges common
+    subexpressions, so the recomputation of a rematerialised layer outside
+    a scan is merged back into the forward pass, and the step keeps what it
+    would without remat (a scan's backward loop keeps the recomputation
+    apart). On the CPU such a model is estimated without its remat policy;
+    otherwise, and for modules other than t5lite transformers, the model is
+    returned as it is.
+
+    Args:
+      backend: 'cpu', 'gpu' or 'tpu' (`jax.default_backend()`).
+
+    Returns:
+      This model, or a copy whose module has `remat_policy='none'`.
+    """
+    config = getattr(self.module, "config", None)
+    if (backend != "cpu" or not isinstance(config, transformer.TransformerConfig)
+        or config.remat_policy == "none" or config.scan_layers):
+      return self
+    model = copy.copy(self)
+    model.module = self.module.clone(config=dataclasses.replace(config, remat_policy="none"))
+    return model
 
   def validate_num_microbatches(self, num_microbatches: int | None) -> None:
     """Checks that microbatches of a batch give the full batch's results.
