@@ -54,6 +54,27 @@ def test_relative_position_bucket_hand_values(rel, bidirectional, expected):
   assert int(bucket[0]) == expected
 
 
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (64, 256), (10, 20)])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bucket_numpy_equals_jax_numpy(num_buckets, max_distance,
+                                                         bidirectional):
+  """Static positions are bucketed by NumPy while tracing, traced ones by
+  jax.numpy: both give the same ids over every distance up to 5000, and
+  `_buckets` takes the NumPy path for a Python-int offset (no device work
+  and no compilation per new shape while a model is traced)."""
+  rel = np.arange(-5000, 5001, dtype=np.int32)
+  by_numpy = layers.relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+  by_jax = jax.jit(layers.relative_position_bucket, static_argnums=(1, 2, 3))(
+      rel, bidirectional, num_buckets, max_distance)
+  assert isinstance(by_numpy, np.ndarray)
+  np.testing.assert_array_equal(by_numpy, np.asarray(by_jax))
+  module = layers.RelativePositionBiases(num_buckets, max_distance, HEADS)
+  static = module._buckets(Q_LEN, KV_LEN, bidirectional, 3)
+  assert isinstance(static, np.ndarray) and static.shape == (Q_LEN, KV_LEN)
+  traced = module._buckets(Q_LEN, KV_LEN, bidirectional, jnp.array([3, 3]))
+  np.testing.assert_array_equal(np.asarray(traced), np.stack([static, static]))
+
+
 def test_relative_position_biases_gather_per_head():
   module = layers.RelativePositionBiases(num_buckets=10, max_distance=20, num_heads=HEADS)
   variables = _init(module, Q_LEN, KV_LEN)

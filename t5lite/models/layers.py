@@ -298,23 +298,26 @@ def relative_position_bucket(relative_position: Array | np.ndarray,
   Returns:
     int32 array of bucket ids in `[0, num_buckets)`, same shape as the input.
   """
-  n = -jnp.asarray(relative_position, jnp.int32)
-  bucket = jnp.zeros_like(n)
+  # NumPy for static positions (a constant while tracing, as T5X computes
+  # it), jax.numpy for traced ones; the same float32 arithmetic either way.
+  xp = np if isinstance(relative_position, np.ndarray) else jnp
+  n = -xp.asarray(relative_position, np.int32)
+  bucket = xp.zeros_like(n)
   if bidirectional:
     num_buckets //= 2
-    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
-    n = jnp.abs(n)
+    bucket = bucket + (n < 0).astype(np.int32) * num_buckets
+    n = xp.abs(n)
   else:
-    n = jnp.maximum(n, 0)
+    n = xp.maximum(n, 0)
   max_exact = num_buckets // 2
   is_small = n < max_exact
   # The epsilon keeps log() finite at n == 0; such positions take the
   # `is_small` branch anyway.
-  log_ratio = jnp.log(n.astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
-  large = max_exact + (log_ratio / math.log(max_distance / max_exact)
-                       * (num_buckets - max_exact)).astype(jnp.int32)
-  large = jnp.minimum(large, num_buckets - 1)
-  return bucket + jnp.where(is_small, n, large)
+  log_ratio = xp.log(n.astype(np.float32) / np.float32(max_exact) + np.finfo(np.float32).eps)
+  large = max_exact + (log_ratio / np.float32(math.log(max_distance / max_exact))
+                       * np.float32(num_buckets - max_exact)).astype(np.int32)
+  large = xp.minimum(large, num_buckets - 1)
+  return bucket + xp.where(is_small, n, large)
 
 
 class RelativePositionBiases(nn.Module):
@@ -354,13 +357,10 @@ class RelativePositionBiases(nn.Module):
         nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
                                      (ax.HEADS, ax.RELPOS_BUCKETS)),
         (self.num_heads, self.num_buckets), jnp.float32)
-    if isinstance(q_offset, (int, np.integer)):
-      # A static offset (training, evaluation, prefill): the buckets are
-      # constants, computed once while tracing by the same float32 code.
-      with jax.ensure_compile_time_eval():
-        buckets = np.asarray(self._buckets(q_length, k_length, bidirectional, q_offset))
-    else:
-      buckets = self._buckets(q_length, k_length, bidirectional, q_offset)
+    # A static offset (training, evaluation, prefill) gives constant bucket
+    # ids, computed by NumPy while tracing: no device work, and nothing to
+    # compile for each new shape.
+    buckets = self._buckets(q_length, k_length, bidirectional, q_offset)
     # A gather from the tiny [heads, buckets] table; its gradient is a
     # scatter-add of the bias gradient into the table. (A one-hot
     # contraction costs a full [heads, buckets] x [q, k, buckets] matmul
@@ -377,12 +377,13 @@ class RelativePositionBiases(nn.Module):
                q_offset: int | Array) -> Array:
     """Bucket ids `[q_length, k_length]`, or `[batch, q_length, k_length]`
     for a `[batch]` offset."""
-    q_offset = jnp.asarray(q_offset, jnp.int32)
+    xp = np if isinstance(q_offset, (int, np.integer)) else jnp
+    q_offset = xp.asarray(q_offset, np.int32)
     if q_offset.ndim > 1:
       raise ValueError(f"q_offset must be a scalar or [batch], got shape {q_offset.shape}.")
     # [q_length, 1] for a scalar offset, [batch, q_length, 1] for one per example.
-    q_pos = jnp.arange(q_length, dtype=jnp.int32)[:, None] + q_offset[..., None, None]
-    k_pos = jnp.arange(k_length, dtype=jnp.int32)[None, :]  # [1, k_length]
+    q_pos = xp.arange(q_length, dtype=np.int32)[:, None] + q_offset[..., None, None]
+    k_pos = xp.arange(k_length, dtype=np.int32)[None, :]  # [1, k_length]
     return relative_position_bucket(k_pos - q_pos, bidirectional, self.num_buckets,
                                     self.max_distance)
 
