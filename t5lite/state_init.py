@@ -16,6 +16,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.extend import core as jax_core
 
 from t5lite import checkpoints as ckpt_lib
 from t5lite import interop
@@ -42,12 +43,19 @@ def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str,
     variables = model.get_initial_variables(rng, input_shapes, input_types)
     return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer)
 
-  def init(rng):
-    return boxed_and_state(rng)[1]
+  # The model's initialisation is traced once, here: the jaxpr gives the
+  # logical axes (on the boxed parameters) and the abstract state, and
+  # `init` replays it, which jit traces in a fraction of the time that
+  # tracing the model through Flax again would take (seconds of a short
+  # run's start).
+  closed, (boxed, abstract) = jax.make_jaxpr(boxed_and_state, return_shape=True)(
+      jax.random.key(0))
+  replay = jax_core.jaxpr_as_fun(closed)
+  out_tree = jax.tree.structure((boxed, abstract))
 
-  # One trace gives both the logical axes (on the boxed parameters) and the
-  # abstract state; tracing a large model is seconds of a short run's start.
-  boxed, abstract = jax.eval_shape(boxed_and_state, jax.random.key(0))
+  def init(rng):
+    return jax.tree.unflatten(out_tree, replay(rng))[1]
+
   param_axes = nn.get_partition_spec(boxed)["params"]
   logical = state_logical_axes(abstract, param_axes)
   return StateSpecs(abstract, logical, partitioner.logical_to_sharding(logical)), init

@@ -93,3 +93,33 @@ def test_expert_weight_statistics_keep_the_expert_axis():
   pairs = _leaves_with_shapes(TrainState.create(params, tx).opt_state, logical.opt_state)
   assert ((8, 128), P("expert", "embed")) in pairs       # rows: the largest dim reduced
   assert ((8, 384), P("expert", "expert_mlp")) in pairs  # columns
+
+
+def test_state_specs_traces_the_model_once_and_init_replays_it_bitwise(monkeypatch):
+  """`state_specs` traces the model's initialisation once; its `init` replays
+  that trace (jit does not trace the model again) and gives bitwise the state
+  that tracing the model afresh gives, with the shardings' structure."""
+  from flax import linen as nn
+
+  from t5lite import partitioning, state_init, testing
+
+  model = testing.tiny_encoder_decoder(optimizer=optimizers.adafactor(1e-2))
+  shapes = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 4),
+            "decoder_target_tokens": (1, 4), "decoder_loss_weights": (1, 4)}
+  types = {k: jnp.float32 if k == "decoder_loss_weights" else jnp.int32 for k in shapes}
+  calls = []
+  traced = type(model).get_initial_variables
+  monkeypatch.setattr(type(model), "get_initial_variables",
+                      lambda self, *a, **k: calls.append(1) or traced(self, *a, **k))
+  partitioner = partitioning.Partitioner(mesh_shape={"data": 1}, devices=jax.devices()[:1])
+  specs, init_fn = state_init.state_specs(model, partitioner, shapes, types)
+  state = jax.jit(init_fn)(jax.random.key(3))
+  assert len(calls) == 1
+  afresh = jax.jit(lambda rng: TrainState.create(
+      nn.unbox(traced(model, rng, shapes, types)["params"]), model.optimizer))(jax.random.key(3))
+  assert jax.tree.structure(state) == jax.tree.structure(afresh)
+  assert jax.tree.structure(state) == jax.tree.structure(specs.abstract)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(afresh)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert bool(jnp.all(got == want))
+  assert any(bool(jnp.any(leaf != 0)) for leaf in jax.tree.leaves(state.params))
