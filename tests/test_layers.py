@@ -54,7 +54,7 @@ def test_relative_position_bucket_hand_values(rel, bidirectional, expected):
   assert int(bucket[0]) == expected
 
 
-@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (64, 256), (10, 20)])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (64, 256), (10, 20), (32, 8)])
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_relative_position_bucket_numpy_equals_jax_numpy(num_buckets, max_distance,
                                                          bidirectional):
@@ -67,6 +67,8 @@ def test_relative_position_bucket_numpy_equals_jax_numpy(num_buckets, max_distan
   by_jax = jax.jit(layers.relative_position_bucket, static_argnums=(1, 2, 3))(
       rel, bidirectional, num_buckets, max_distance)
   assert isinstance(by_numpy, np.ndarray)
+  # Distances past the exact ones reach the last bucket, and no further.
+  assert by_numpy.min() == 0 and by_numpy.max() == num_buckets - 1
   np.testing.assert_array_equal(by_numpy, np.asarray(by_jax))
   module = layers.RelativePositionBiases(num_buckets, max_distance, HEADS)
   static = module._buckets(Q_LEN, KV_LEN, bidirectional, 3)

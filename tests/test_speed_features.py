@@ -120,20 +120,28 @@ def test_bad_remat_policy_and_attention_impl_are_named():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-  """Records the calls that reach jax.nn.dot_product_attention."""
+  """Records the calls that reach jax.nn.dot_product_attention; each runs
+  its XLA implementation, whichever one the caller asked for (so a call
+  meant for cuDNN runs on the CPU)."""
   calls = []
   real = jax.nn.dot_product_attention
 
   def spy(*args, **kwargs):
     calls.append(kwargs)
-    return real(*args, **kwargs)
+    return real(*args, **{**kwargs, "implementation": "xla"})
 
   monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
   return calls
 
 
+@pytest.fixture
+def cudnn_applies(monkeypatch):
+  """As on a GPU where cuDNN flash attention fits every attention call."""
+  monkeypatch.setattr(layers, "fused_attention_backend", lambda *args, **kwargs: "cudnn")
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_dot_product_attention_equals_xla_attention(fused_calls, scan_layers):
+def test_dot_product_attention_equals_xla_attention(fused_calls, cudnn_applies, scan_layers):
   _loss_and_grads.cache_clear()  # trace again, under the spy
   _params(scan_layers=scan_layers)
   fused_calls.clear()  # the initialisation's own calls
@@ -145,7 +153,7 @@ def test_dot_product_attention_equals_xla_attention(fused_calls, scan_layers):
   assert fused_calls and len(fused_calls) % 3 == 0
   # T5 does not scale logits; the relative-position bias arrives as `bias`,
   # except in cross-attention, which has none.
-  assert all(c["scale"] == 1.0 for c in fused_calls)
+  assert all(c["scale"] == 1.0 and c["implementation"] == "cudnn" for c in fused_calls)
   assert 3 * sum(c["bias"] is None for c in fused_calls) == len(fused_calls)
   assert all(c["mask"].dtype == jnp.bool_ for c in fused_calls)
   # Same float32 math, summed in another order.
@@ -165,7 +173,32 @@ def test_dot_product_attention_layer_matches_einsums_with_bias_and_mask():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_dropout_in_training_uses_the_einsums(fused_calls):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dot_product_attention_takes_the_einsums_where_cudnn_does_not_apply(fused_calls, dtype):
+  """Where jax.nn.dot_product_attention would run XLA (here, the CPU), the
+  module computes the same float32-logit attention with its einsums: no
+  call reaches it, and the result equals the 'xla' implementation with
+  float32 logits exactly, whatever `float32_logits` says."""
+  def attention(impl, float32_logits):
+    return layers.MultiHeadDotProductAttention(num_heads=4, head_dim=8, dtype=dtype,
+                                               attention_impl=impl,
+                                               float32_logits=float32_logits)
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(2, 6, 16)), dtype)
+  mask = jnp.asarray(rng.random((2, 1, 6, 6)) > 0.3)
+  bias = jnp.asarray(rng.normal(size=(1, 4, 6, 6)), jnp.float32)
+  variables = attention("xla", True).init(jax.random.key(0), x, x)
+  fused_calls.clear()
+  got = attention("dot_product_attention", False).apply(variables, x, x, mask, bias)
+  assert not fused_calls
+  want = attention("xla", True).apply(variables, x, x, mask, bias)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  if dtype == jnp.bfloat16:  # the logits' dtype shows in the result
+    low = attention("xla", False).apply(variables, x, x, mask, bias)
+    assert not np.array_equal(np.asarray(low, np.float32), np.asarray(want, np.float32))
+
+
+def test_attention_dropout_in_training_uses_the_einsums(fused_calls, cudnn_applies):
   attention = layers.MultiHeadDotProductAttention(
       num_heads=4, head_dim=3, dropout_rate=0.5, attention_impl="dot_product_attention")
   x = jnp.ones((2, 5, 8))
