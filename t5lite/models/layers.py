@@ -407,9 +407,10 @@ class MultiHeadDotProductAttention(nn.Module):
     float32_logits: compute logits and softmax in float32 under bf16 compute
       ('xla' implementation; 'dot_product_attention' always does).
     attention_impl: 'xla' (this module's einsums, with attention dropout) or
-      'dot_product_attention' (`jax.nn.dot_product_attention`: cuDNN flash
-      attention on GPUs that support the shapes and dtype, XLA elsewhere; see
-      `fused_attention_backend`). The latter has no attention dropout, so a
+      'dot_product_attention' (`jax.nn.dot_product_attention` where it selects
+      cuDNN flash attention, see `fused_attention_backend`; elsewhere the
+      einsums with float32 logits, which compute what jax's XLA
+      implementation would, faster). cuDNN has no attention dropout, so a
       training call with `dropout_rate > 0` uses the einsums.
   """
 

@@ -154,9 +154,10 @@ class TransformerConfig:
       rest, 'dots_saveable' keeps the matmul outputs and recomputes the
       elementwise work. Changes memory and speed, never the results.
     attention_impl: 'dot_product_attention' computes attention with
-      `jax.nn.dot_product_attention` (cuDNN flash attention on a GPU when the
-      shapes and dtype allow, XLA otherwise); 'xla' uses t5lite's own
-      einsums. Training with attention dropout (dropout_rate > 0) always uses
+      `jax.nn.dot_product_attention` where that selects cuDNN flash attention
+      (a GPU, and shapes and dtype that allow it) and with t5lite's own
+      einsums and float32 logits elsewhere, which are faster than jax's XLA
+      implementation; 'xla' uses the einsums always. Training with attention dropout (dropout_rate > 0) always uses
       the einsums, which support it (see `layers.MultiHeadDotProductAttention`).
   """
 
