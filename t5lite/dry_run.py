@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
+from jax.extend import core as jax_core
 
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
@@ -228,7 +229,10 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
   the residuals the pullback closes over, except the parameters and
   inputs themselves. Remat and scan are what the model does as compiled
   on this backend (`BaseModel.as_compiled_for`: on the CPU, remat outside a
-  scan saves nothing).
+  scan saves nothing). A scanned, rematerialised stack recomputes each
+  layer in full before taking its gradient, so the largest layer's own
+  residuals (traced without remat) are added: once little else is kept,
+  that working set is most of the step's memory.
 
   Args:
     model: gives `loss_fn`.
@@ -243,21 +247,45 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
   batch = {k: jax.ShapeDtypeStruct((examples,) + tuple(s[1:]), input_types[k])
            for k, s in input_shapes.items()}
 
-  def residuals(params, batch):
-    # Dropout on, as in training; the key is a traced input, not a constant.
-    loss = lambda p: model.loss_fn(p, batch, jax.random.key(0))[0]
-    return jax.vjp(loss, params)[1]
+  def pullback_jaxpr(model):
+    def residuals(params, batch):
+      # Dropout on, as in training; the key is a traced input, not a constant.
+      loss = lambda p: model.loss_fn(p, batch, jax.random.key(0))[0]
+      return jax.vjp(loss, params)[1]
+    return jax.make_jaxpr(residuals)(abstract_params, batch).jaxpr
 
   model = model.as_compiled_for(jax.default_backend())
-  jaxpr = jax.make_jaxpr(residuals)(abstract_params, batch).jaxpr
+  jaxpr = pullback_jaxpr(model)
   inputs = {id(v) for v in jaxpr.invars}
   seen, total = set(), 0
   for var in jaxpr.outvars:
     if hasattr(var, "val") or id(var) in inputs or id(var) in seen:
       continue  # a constant, or a parameter/input handed through
     seen.add(id(var))
-    total += math.prod(var.aval.shape) * _itemsize(var.aval.dtype)
+    total += _nbytes(var.aval)
+  recomputed = model.without_remat()
+  if recomputed is not model and getattr(model.module.config, "scan_layers", False):
+    total += max(_scan_step_bytes(pullback_jaxpr(recomputed)), default=0)
   return total
+
+
+def _nbytes(aval: Any) -> int:
+  return math.prod(aval.shape) * _itemsize(aval.dtype)
+
+
+def _scan_step_bytes(jaxpr: Any) -> list[int]:
+  """For each scan in `jaxpr` (and the jaxprs it calls, not a scan's own
+  body), the bytes one iteration stacks into its outputs: a scanned
+  layer's residuals for the backward pass."""
+  steps = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      length, carries = eqn.params["length"], eqn.params["num_carry"]
+      steps.append(sum(_nbytes(v.aval) // length for v in eqn.outvars[carries:]))
+      continue
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      steps.extend(_scan_step_bytes(sub))
+  return steps
 
 
 def _checkpoint_bytes(specs: state_init.StateSpecs,

@@ -327,8 +327,16 @@ class BaseModel(abc.ABC):
       This model, or a copy whose module has `remat_policy='none'`.
     """
     config = getattr(self.module, "config", None)
-    if (backend != "cpu" or not isinstance(config, transformer.TransformerConfig)
-        or config.remat_policy == "none" or config.scan_layers):
+    if backend != "cpu" or getattr(config, "scan_layers", True):
+      return self
+    return self.without_remat()
+
+  def without_remat(self) -> BaseModel:
+    """This model with `remat_policy='none'` (itself if it has no remat or
+    is not a t5lite transformer): what a rematerialised layer holds while
+    it is recomputed, for estimates."""
+    config = getattr(self.module, "config", None)
+    if not isinstance(config, transformer.TransformerConfig) or config.remat_policy == "none":
       return self
     model = copy.copy(self)
     model.module = self.module.clone(config=dataclasses.replace(config, remat_policy="none"))
