@@ -257,10 +257,24 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
   model = model.as_compiled_for(jax.default_backend())
   jaxpr = pullback_jaxpr(model)
   inputs = {id(v) for v in jaxpr.invars}
+  producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+  def viewed(var):
+    # A reshape is a view of the same buffer (XLA makes it a bitcast): a
+    # kept reshape of a parameter, or of another kept tensor, costs nothing.
+    eqn = producers.get(id(var))
+    while eqn is not None and eqn.primitive.name == "reshape" and not hasattr(eqn.invars[0], "val"):
+      var = eqn.invars[0]
+      eqn = producers.get(id(var))
+    return var
+
   seen, total = set(), 0
   for var in jaxpr.outvars:
-    if hasattr(var, "val") or id(var) in inputs or id(var) in seen:
-      continue  # a constant, or a parameter/input handed through
+    if hasattr(var, "val"):
+      continue  # a constant
+    var = viewed(var)
+    if id(var) in inputs or id(var) in seen:
+      continue  # a parameter/input handed through, or counted already
     seen.add(id(var))
     total += _nbytes(var.aval)
   recomputed = model.without_remat()

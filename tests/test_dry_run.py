@@ -330,3 +330,27 @@ def test_xla_on_the_cpu_keeps_remat_only_inside_a_scan():
 
   assert temp_bytes(remat=True, scan=False) > 0.9 * temp_bytes(remat=False, scan=False)
   assert temp_bytes(remat=True, scan=True) < 0.5 * temp_bytes(remat=False, scan=True)
+
+
+def test_activation_estimate_counts_a_kept_reshape_once():
+  """A reshape is a view of the same buffer: a kept reshape of a parameter
+  or an input costs nothing, and a tensor kept both as it is and reshaped
+  counts once."""
+  class Model:
+    module = None
+
+    def as_compiled_for(self, backend):
+      return self
+
+    def without_remat(self):
+      return self
+
+    def loss_fn(self, params, batch, rng):
+      x = batch["x"].reshape(-1, 4)                     # a view of the input
+      y = jnp.sin(x @ params["w"].reshape(4, 8))        # a view of the parameter
+      return jnp.sum(y * y.reshape(-1, 2, 4).reshape(-1, 8)), None
+
+  params = {"w": jax.ShapeDtypeStruct((2, 16), jnp.float32)}
+  got = dry_run.activation_bytes(Model(), {"x": (1, 6, 4)}, {"x": jnp.float32}, params, 3)
+  # Kept: y (for y * y) and cos(x @ w) (for sin's gradient), [18, 8] float32 each.
+  assert got == 2 * 18 * 8 * 4
