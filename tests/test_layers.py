@@ -1,6 +1,7 @@
 """Unit tests of the T5.1.1 building blocks in t5lite.models.layers."""
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -183,6 +184,104 @@ def test_dense_general_is_one_2d_matmul_with_the_values_and_gradients_of_dot_gen
   for g, w in zip(got, want):
     assert g.shape == w.shape
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * float(np.abs(w).max()))
+
+
+# The two-operand einsums of the models in 16 bits: projections, the tied
+# logits, attention's value product, MoE dispatch, combine and expert matmuls.
+# Every matrix dim is at least 8: XLA runs smaller products in float32 anyway.
+_MODEL_EINSUMS = [
+    ("ti,io->to", (48, 24), (24, 40)),
+    ("ble,ve->blv", (2, 8, 16), (50, 16)),
+    ("bhqk,bhkd->bhqd", (2, 3, 8, 9), (2, 3, 9, 10)),
+    ("bhqd,bhkd->bhqk", (2, 3, 8, 10), (2, 3, 9, 10)),
+    ("gtec,gtd->gecd", (2, 8, 2, 4), (2, 8, 9)),
+    ("gecd,gtec->gtd", (2, 2, 4, 9), (2, 8, 2, 4)),
+    ("emd,edh->emh", (3, 10, 8), (3, 8, 12)),
+]
+
+
+def _dot_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
+  """(lhs, rhs) element types of every dot in optimized HLO text, fused ones
+  included."""
+  types = dict(re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", hlo_text, re.M))
+  return [(types[a], types[b]) for a, b in
+          re.findall(r"= \w+\[[\d,]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo_text)]
+
+
+@pytest.mark.parametrize("subscripts,a_shape,b_shape", _MODEL_EINSUMS)
+def test_bfloat16_einsum_and_its_gradients_match_jax_einsum(subscripts, a_shape, b_shape):
+  """On the CPU a bfloat16 einsum and both gradients run as native-layout
+  products with float32 results; the values are those of JAX's own
+  float32-result einsum and its gradient, which round the same float32 sums
+  to bfloat16 (the order of summation may differ: one bfloat16 unit)."""
+  a, b = _normal(1, a_shape), _normal(2, b_shape)
+  weights = _normal(3, jax.eval_shape(lambda: jnp.einsum(subscripts, a, b)).shape)
+
+  def ours(a, b):
+    out = layers.einsum(subscripts, a, b, jnp.bfloat16)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+
+  def jaxs(a, b):
+    out = jnp.einsum(subscripts, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                     preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+
+  (_, got), got_grads = jax.jit(jax.value_and_grad(ours, (0, 1), has_aux=True))(a, b)
+  (_, want), want_grads = jax.jit(jax.value_and_grad(jaxs, (0, 1), has_aux=True))(a, b)
+  assert got.dtype == jnp.bfloat16
+  for g, w in [(got, want), *zip(got_grads, want_grads)]:
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2.0 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("subscripts,a_shape,b_shape", _MODEL_EINSUMS)
+def test_bfloat16_einsum_gradients_stay_bfloat16_products_on_the_cpu(
+    subscripts, a_shape, b_shape):
+  """XLA on the CPU widens a bfloat16 dot to float32 (the slower kernel)
+  unless its left operand contracts its last dims. JAX's gradient of a
+  kernel contracts the token axis, which comes first, and multiplies a
+  float32 cotangent; t5lite's keeps every product of the forward and
+  backward pass in bfloat16. The loss is a plain sum, whose cotangent XLA
+  simplifies to a broadcast: the layout must survive that too."""
+  a, b = _normal(1, a_shape), _normal(2, b_shape)
+
+  def loss(a, b):
+    return jnp.sum(layers.einsum(subscripts, a, b, jnp.bfloat16).astype(jnp.float32))
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+  dtypes = _dot_operand_dtypes(step.lower(a, b).compile().as_text())
+  assert len(dtypes) == 3 and dtypes == [("bf16", "bf16")] * 3, dtypes
+  jax.block_until_ready(step(a, b))  # and XLA can run what it compiled
+
+
+def test_bfloat16_mlp_gradients_are_bfloat16_products_with_values_of_jax_einsum():
+  """The same through a module: a bfloat16 gated MLP's forward and backward
+  products are all bfloat16 on the CPU, and its gradients are those of the
+  plain float32-result einsums (the cotangent of a bfloat16 result holds
+  bfloat16 values, so the backward products see the same numbers)."""
+  module = layers.MlpBlock(mlp_dim=MLP, activations=("gelu", "linear"),
+                           dtype=jnp.bfloat16)
+  x = _normal(6, (BATCH, Q_LEN, EMBED))
+  params = nn.unbox(_init(module, x))["params"]
+  weights = _normal(7, (BATCH, Q_LEN, EMBED))
+
+  def loss(params):
+    return jnp.sum(module.apply({"params": params}, x).astype(jnp.float32) * weights)
+
+  step = jax.jit(jax.grad(loss))
+  dtypes = _dot_operand_dtypes(step.lower(params).compile().as_text())
+  # XLA merges some (both input projections share x): count none, check all.
+  assert dtypes and set(dtypes) == {("bf16", "bf16")}, dtypes
+  got = step(params)
+  specs = layers._einsum_specs
+  try:
+    layers._einsum_specs = lambda subscripts: None  # JAX's own einsum and gradient
+    want = jax.jit(jax.grad(loss))(params)
+  finally:
+    layers._einsum_specs = specs
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -8, atol=1e-6 * float(np.abs(w).max()))
 
 
 def test_dense_general_rejects_wrong_number_of_axis_names():

@@ -78,11 +78,125 @@ def einsum(subscripts: str, a: Array, b: Array, dtype: DType) -> Array:
   """`jnp.einsum` of two operands cast to `dtype`, with the result in `dtype`.
 
   Low-precision products accumulate in float32 where that is also faster
-  (see `accumulation_dtype`); the result is the same up to rounding.
+  (see `accumulation_dtype`); the result is the same up to rounding. There
+  (bfloat16 or float16 on the CPU) the product and both of its gradients
+  run as `_native_dot`s, see `_low_precision_einsum`.
   """
-  out = jnp.einsum(subscripts, jnp.asarray(a, dtype), jnp.asarray(b, dtype),
-                   preferred_element_type=accumulation_dtype(dtype))
+  a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+  if accumulation_dtype(dtype) is not None and _einsum_specs(subscripts) is not None:
+    return _low_precision_einsum(subscripts, a, b)
+  out = jnp.einsum(subscripts, a, b, preferred_element_type=accumulation_dtype(dtype))
   return out.astype(dtype)
+
+
+def _einsum_specs(subscripts: str) -> tuple[str, str, str] | None:
+  """(a, b, out) index strings of a two-operand einsum in which every index
+  occurs in exactly two of the three or in all three (a batch index), so
+  that each gradient is again such an einsum; None for any other."""
+  inputs, arrow, out = subscripts.replace(" ", "").partition("->")
+  specs = inputs.split(",")
+  if not arrow or len(specs) != 2 or "." in subscripts:
+    return None
+  a, b = specs
+  for spec in (a, b, out):
+    if len(set(spec)) != len(spec):
+      return None
+  for index in set(a + b + out):
+    if sum(index in spec for spec in (a, b, out)) < 2:
+      return None
+  return a, b, out
+
+
+def _materialized_transpose(x: Array, perm: Sequence[int]) -> Array:
+  """`jnp.transpose(x, perm)` as a copy XLA keeps.
+
+  XLA folds a plain transpose into the dot that consumes it (as new
+  contracting dims), which on the CPU turns a native bfloat16 dot into a
+  float32 one. A transpose through a unit axis that a reshape then removes
+  is left as a copy: `x` gets a trailing unit axis, which the transpose
+  places second, and the reshape drops it again.
+  """
+  perm = tuple(perm)
+  if perm == tuple(range(x.ndim)):
+    return x
+  unit = x.ndim
+  shape = tuple(x.shape[p] for p in perm)
+  moved = jnp.transpose(x[..., None], (perm[0], unit) + perm[1:])
+  return moved.reshape(shape)
+
+
+def _native_dot(x_spec: str, x: Array, y_spec: str, y: Array, out_spec: str) -> Array:
+  """The einsum `x_spec,y_spec->out_spec` as a float32-result dot in the
+  layout XLA on the CPU runs natively in bfloat16: the left operand
+  `[batch..., free..., contracted...]`, the right one
+  `[batch..., contracted..., free...]` or `[batch..., free..., contracted...]`,
+  the result `[batch..., left free..., right free...]`. In any other layout
+  (a kernel gradient contracts the token axis, which comes first) XLA widens
+  both operands to float32 and runs the float32 kernel, about twice as
+  slowly.
+
+  The left operand is the one whose free dims lead in `out_spec`, so that
+  the result needs no transpose (XLA would fold one into the dot by swapping
+  its operands, into a layout it cannot run); operands not yet in such a
+  layout are copied by `_materialized_transpose`, and so is the result where
+  `out_spec` is not batch-first.
+  """
+  batch = [i for i in out_spec if i in x_spec and i in y_spec]
+  free = [i for i in out_spec if i not in batch]
+  if free and free[0] in y_spec:
+    x_spec, x, y_spec, y = y_spec, y, x_spec, x
+  x_free = [i for i in free if i in x_spec]
+  y_free = [i for i in free if i in y_spec]
+  contract = [i for i in y_spec if i in x_spec and i not in out_spec]
+  rhs_order = batch + contract + y_free
+  if list(y_spec) == batch + y_free + contract:
+    rhs_order = list(y_spec)
+  elif list(y_spec) != rhs_order:
+    # No layout of the right operand is kept: contract in the left's order.
+    contract = [i for i in x_spec if i in contract]
+    rhs_order = batch + contract + y_free
+  lhs_order = batch + x_free + contract
+  lhs = _materialized_transpose(x, [x_spec.index(i) for i in lhs_order])
+  rhs = _materialized_transpose(y, [y_spec.index(i) for i in rhs_order])
+  nb = len(batch)
+  dims = ((tuple(range(nb + len(x_free), len(lhs_order))),
+           tuple(rhs_order.index(i) for i in contract)),
+          (tuple(range(nb)), tuple(range(nb))))
+  out = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+  got = batch + x_free + y_free
+  return _materialized_transpose(out, [got.index(i) for i in out_spec])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _low_precision_einsum(subscripts: str, a: Array, b: Array) -> Array:
+  """A 16-bit einsum on the CPU whose forward and backward products are all
+  `_native_dot`s with float32 results, each rounded to the operands' dtype.
+
+  JAX's own gradient of a float32-result einsum multiplies the float32
+  cotangent by a 16-bit operand, a mixed product that XLA runs in float32,
+  and a kernel gradient contracts the leading token axis; either costs the
+  native bfloat16 kernel. Here the cotangent is the 16-bit result's (the
+  same values JAX would widen) and every product is laid out for the native
+  kernel, so values differ from JAX's gradient only by summation order.
+  """
+  a_spec, b_spec, out_spec = _einsum_specs(subscripts)
+  return _native_dot(a_spec, a, b_spec, b, out_spec).astype(a.dtype)
+
+
+def _low_precision_einsum_fwd(subscripts, a, b):
+  return _low_precision_einsum(subscripts, a, b), (a, b)
+
+
+def _low_precision_einsum_bwd(subscripts, residuals, cotangent):
+  a, b = residuals
+  a_spec, b_spec, out_spec = _einsum_specs(subscripts)
+  cotangent = cotangent.astype(a.dtype)
+  grad_a = _native_dot(out_spec, cotangent, b_spec, b, a_spec).astype(a.dtype)
+  grad_b = _native_dot(a_spec, a, out_spec, cotangent, b_spec).astype(b.dtype)
+  return grad_a, grad_b
+
+
+_low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
 
 
 # Logical axes of a cached key or value: [batch, length, heads, kv].
@@ -198,10 +312,9 @@ class DenseGeneral(nn.Module):
       # (an MLP's forward and backward at 4096 tokens: 62.5 ms against 32.1 ms);
       # the values are the same.
       lead = inputs.shape[:free]
-      out = jnp.dot(inputs.reshape(math.prod(lead), math.prod(in_dims)),
-                    kernel.reshape(math.prod(in_dims), math.prod(features)),
-                    preferred_element_type=accumulation_dtype(self.dtype))
-      return out.reshape(lead + features).astype(self.dtype)
+      out = einsum("ti,io->to", inputs.reshape(math.prod(lead), math.prod(in_dims)),
+                   kernel.reshape(math.prod(in_dims), math.prod(features)), self.dtype)
+      return out.reshape(lead + features)
     contract = (axis, tuple(range(len(in_dims))))
     # [..., *in_dims] x [*in_dims, *features] -> [..., *features]
     out = jax.lax.dot_general(inputs, kernel, (contract, ((), ())),
