@@ -500,3 +500,40 @@ def test_broadcast_batch_repeats_the_bias_and_sums_its_gradient():
   # A bias that already has a batch axis, or a batch of one, passes through.
   assert layers.broadcast_batch(upstream, BATCH) is upstream
   assert layers.broadcast_batch(bias, 1) is bias
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2.0 ** -7)])
+def test_gated_gelu_gradient_equals_autodiff(dtype, rtol):
+  """The gated GELU's hand-written gradient equals autodiff's of
+  gelu(gate) * linear (to the dtype's rounding) across the range where tanh
+  saturates, and the forward value is autodiff's exactly."""
+  gate = jnp.linspace(-12.0, 12.0, 4801).astype(dtype)
+  linear = _normal(8, gate.shape).astype(dtype)
+  cotangent = _normal(9, gate.shape).astype(dtype)
+
+  def autodiff(gate, linear):
+    return jax.nn.gelu(gate, approximate=True) * linear
+
+  got, got_vjp = jax.vjp(layers._gated_gelu, gate, linear)
+  want, want_vjp = jax.vjp(autodiff, gate, linear)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  for g, w in zip(got_vjp(cotangent), want_vjp(cotangent)):
+    assert g.dtype == w.dtype == dtype
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * float(np.abs(w).max()))
+
+
+def test_gated_gelu_mlp_uses_the_hand_written_gradient():
+  """T5.1.1's ('gelu', 'linear') MLP goes through `_gated_gelu`; other
+  activation lists through autodiff."""
+  x = _normal(6, (BATCH, Q_LEN, EMBED))
+
+  def custom_calls(activations):
+    module = layers.MlpBlock(mlp_dim=MLP, activations=activations)
+    params = _init(module, x)
+    jaxpr = jax.make_jaxpr(lambda p: module.apply(p, x))(params)
+    return sum(e.primitive.name.startswith("custom_vjp") for e in jaxpr.eqns)
+
+  assert custom_calls(("gelu", "linear")) == 1
+  assert custom_calls(("relu",)) == 0
+  assert custom_calls(("linear", "gelu")) == 0
