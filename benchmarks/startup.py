@@ -1,14 +1,22 @@
-"""Launch to first training step, with the compilation cache cold and warm.
+"""Launch to first training step: cold, warm, and a restart from a checkpoint.
 
-For each `--gin_file`, `--runs` times: `t5lite-train` with an empty
-compilation cache directory (cold), then again with the directory that run
-filled (warm, as a restart after preemption is). Each run trains 2 steps
-with stats at every step; its first step ends when the step-1 summary is
-written, so launch-to-first-step is that event's wall time minus the time
-the process was started. The report gives the median of each (all runs in
-brackets), warm over cold, and the programs each run loaded from the cache
-and compiled (the summary line `t5lite-train` prints). The JSON lands in
-benchmarks/results/startup-<time>.json.
+For each `--gin_file`, `--runs` times, three launches of the same command
+(4 training steps, 2 per launch, stats at every step, a checkpoint at step 2):
+
+  cold     an empty compilation cache directory and a new MODEL_DIR: every
+           program compiles and the state is initialised;
+  warm     the cache that run filled and another new MODEL_DIR: the second
+           launch of a configuration;
+  restart  the cache and the cold run's MODEL_DIR: a restart after
+           preemption, which resumes from the step-2 checkpoint (no saved
+           data iterator, so the pipeline is fast-forwarded).
+
+A launch's first step ends when that step's summary is written, so
+launch-to-first-step is the event's wall time minus the time the process
+was started. The report gives the median of each (all runs in brackets),
+warm and restart over cold, and the programs each launch loaded from the
+cache and compiled (the summary line `t5lite-train` prints). The JSON lands
+in benchmarks/results/startup-<time>.json.
 
   .venv/bin/python benchmarks/startup.py
 """
@@ -39,15 +47,21 @@ CONFIGS = ("gin/pretrain_dense.gin", "gin/pretrain_moe.gin", "gin/finetune_dense
 _CACHE_USE = re.compile(r"compilation cache \S+: (\d+) program\(s\) loaded, (\d+) compiled")
 
 
-def first_step_wall_time(model_dir: str) -> float:
+KINDS = ("cold", "warm", "restart")
+
+
+def first_step_wall_time(model_dir: str, step: int) -> float:
   events = metrics.read_scalar_events(os.path.join(model_dir, "train"), "loss")
-  return min(wall_time for step, wall_time, _ in events if step == 1)
+  return min(wall_time for s, wall_time, _ in events if s == step)
 
 
-def launch(gin_file: str, model_dir: str, cache: str, extra: list[str]) -> dict[str, Any]:
-  """One 2-step `t5lite-train` run; its launch-to-first-step and cache use."""
+def launch(gin_file: str, model_dir: str, cache: str, extra: list[str],
+           first_step: int = 1) -> dict[str, Any]:
+  """One `t5lite-train` launch training 2 of 4 steps; its launch-to-first-step
+  and cache use."""
   command = [os.path.join(BIN, "t5lite-train"), f"--gin_file={gin_file}", *extra,
-             f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2", "--gin.STATS_PERIOD=1",
+             f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4",
+             "--gin.train_lib.train.relative_steps=2", "--gin.STATS_PERIOD=1",
              "--gin.EVAL_PERIOD=2", "--gin.EVAL_STEPS=1", "--gin.CHECKPOINT_PERIOD=2",
              f"--compilation_cache_dir={cache}"]
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
@@ -59,7 +73,7 @@ def launch(gin_file: str, model_dir: str, cache: str, extra: list[str]) -> dict[
   use = _CACHE_USE.search(done.stdout)
   if use is None:
     raise SystemExit(f"no compilation cache line in the output:\n{done.stdout[-2000:]}")
-  return {"first_step_seconds": first_step_wall_time(model_dir) - started,
+  return {"first_step_seconds": first_step_wall_time(model_dir, first_step) - started,
           "total_seconds": ended - started, "loaded": int(use.group(1)),
           "compiled": int(use.group(2))}
 
@@ -82,18 +96,22 @@ def main() -> None:
   results = {}
   with tempfile.TemporaryDirectory(prefix="t5lite-startup-") as scratch:
     for gin_file in args.gin_file or CONFIGS:
-      runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
+      runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
       for i in range(args.runs):
         cache = os.path.join(scratch, f"cache-{len(results)}-{i}")
-        for kind in ("cold", "warm"):
-          model_dir = os.path.join(scratch, f"run-{len(results)}-{i}-{kind}")
-          runs[kind].append(launch(gin_file, model_dir, cache, extra))
+        cold_dir = os.path.join(scratch, f"run-{len(results)}-{i}-cold")
+        dirs = {"cold": cold_dir, "warm": os.path.join(scratch, f"run-{len(results)}-{i}-warm"),
+                "restart": cold_dir}
+        for kind in KINDS:
+          first = 3 if kind == "restart" else 1
+          runs[kind].append(launch(gin_file, dirs[kind], cache, extra, first))
           print(f"{gin_file} {kind}: first step after "
                 f"{runs[kind][-1]['first_step_seconds']:.1f} s", flush=True)
       first = {kind: spread([r["first_step_seconds"] for r in runs[kind]]) for kind in runs}
       results[gin_file] = {
           "runs": runs, "first_step_seconds": first,
-          "warm_over_cold": first["warm"]["median"] / first["cold"]["median"]}
+          "warm_over_cold": first["warm"]["median"] / first["cold"]["median"],
+          "restart_over_cold": first["restart"]["median"] / first["cold"]["median"]}
   info = {"when": started.isoformat(), "args": vars(args), "results": results}
   output = args.output or os.path.join(HERE, "results", f"startup-{int(started.timestamp())}.json")
   os.makedirs(os.path.dirname(output), exist_ok=True)
@@ -101,12 +119,14 @@ def main() -> None:
     json.dump(info, f, indent=2)
   print(f"launch to first training step, {args.runs} run(s) each, median (all):")
   for gin_file, r in results.items():
-    cold, warm = r["first_step_seconds"]["cold"], r["first_step_seconds"]["warm"]
     text = lambda s: f"{s['median']:.1f} s (" + ", ".join(f"{x:.1f}" for x in s["all"]) + ")"  # noqa: E731
     programs = lambda kind: "/".join(  # noqa: E731
         f"{x['loaded']}+{x['compiled']}" for x in r["runs"][kind])
-    print(f"  {gin_file}: cold {text(cold)}, warm {text(warm)}: x{r['warm_over_cold']:.2f}; "
-          f"programs loaded+compiled cold {programs('cold')}, warm {programs('warm')}")
+    seconds = r["first_step_seconds"]
+    print(f"  {gin_file}: cold {text(seconds['cold'])}, warm {text(seconds['warm'])} "
+          f"x{r['warm_over_cold']:.2f}, restart {text(seconds['restart'])} "
+          f"x{r['restart_over_cold']:.2f}; programs loaded+compiled "
+          + ", ".join(f"{kind} {programs(kind)}" for kind in KINDS))
   print(f"results: {output}")
 
 

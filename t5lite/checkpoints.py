@@ -443,6 +443,10 @@ class Checkpointer:
     """
     return _restore(self._manager, step, abstract_state, dataset_iterator)
 
+  def holds_dataset(self, step: int) -> bool:
+    """Whether `step` saved data iterators that this run can restore."""
+    return _has_dataset(self._manager, step)
+
   def restore_newest(self, steps: Sequence[int], abstract_state: Any,
                      dataset_iterator: Any = None) -> Restored:
     """Restores the newest of `steps` that reads cleanly.

@@ -160,20 +160,40 @@ class TrainData:
     self._partitioner = partitioner
     self._depth = prefetch_batches
     self._prefetcher: _Prefetcher | None = None
-    self.skip(0)
+    # The pipeline is built when first needed (see `skip`), so a restart that
+    # fast-forwards builds it once, at its position, not a second time.
+    self._ds: Any = None
+    self._iterator: Any = None
     if self.per_host:
       metrics_lib.log_line(
           f"Warning: train/DatasetConfig.shard_by_host=True: each of the {layout.num_shards} "
           "processes reads, shuffles and packs its own shard, so the data order depends on the "
           "number of processes; a restart on another number continues at the same step with "
           "other examples.")
-    self.shardings = partitioner.batch_shardings(
-        {k: spec.shape for k, spec in self._ds.element_spec.items()})
+
+  @property
+  def iterator(self) -> Any:
+    """The tf.data iterator (a checkpoint saves and restores its position);
+    from the first batch unless `skip` placed it elsewhere."""
+    if self._iterator is None:
+      self.skip(0)
+    return self._iterator
+
+  @functools.cached_property
+  def shardings(self) -> dict[str, Any]:
+    """The global batches' shardings."""
+    return self._partitioner.batch_shardings(
+        {k: spec.shape for k, spec in self._element_spec().items()})
+
+  def _element_spec(self) -> dict[str, Any]:
+    if self._ds is None:
+      self.skip(0)
+    return self._ds.element_spec
 
   def global_shapes(self) -> dict[str, tuple[int, ...]]:
     """Shapes of the global batches this yields, e.g. for counting FLOPs."""
     return {k: (self._global_batch,) + tuple(v.shape[1:])
-            for k, v in self._ds.element_spec.items()}
+            for k, v in self._element_spec().items()}
 
   def skip(self, num_batches: int) -> None:
     """Starts after the first `num_batches` batches of the run (a restart with
@@ -189,7 +209,7 @@ class TrainData:
     options.experimental_optimization.noop_elimination = False
     ds = self._make().skip(num_batches).with_options(options)
     self._ds = _leave_cores_to_the_step(ds)
-    self.iterator = iter(self._ds)
+    self._iterator = iter(self._ds)
 
   def __iter__(self) -> "TrainData":
     return self

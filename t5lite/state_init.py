@@ -165,8 +165,11 @@ def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
   if plan.note:
     metrics_lib.log_line(plan.note)
   metrics_lib.log_line(f"Restoring step {max(plan.candidates)} from {checkpointer.directory}")
+  # The pipeline is built only for a checkpoint with an iterator to restore
+  # into; otherwise `fast_forward` builds it once, at the restored step.
+  with_iterator = data is not None and checkpointer.holds_dataset(max(plan.candidates))
   restored = checkpointer.restore_newest(plan.candidates, abstract,
-                                         data.iterator if data is not None else None)
+                                         data.iterator if with_iterator else None)
   for warning in restored.warnings:
     metrics_lib.log_line(warning)
   if restored.unreadable:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -97,13 +98,63 @@ class _Loop:
   writer: metrics_lib.SummaryWriter
   progress: metrics_lib.Progress
   periods: Periods
-  evaluator: TrainEvaluator | None
-  infer_evaluator: inference.InferenceEvaluator | None
+  evaluators: _Evaluators
   actions: Mapping[actions_lib.ActionMode, list]
   train_task: str
   total_steps: int
   divergence: DivergenceCheck = dataclasses.field(
       default_factory=lambda: DivergenceCheck(DivergenceLimits()))
+
+
+class _Evaluators:
+  """The train-eval and inference evaluators, built on a background thread.
+
+  Building them reads and preprocesses the eval splits (tf.data graphs, and
+  SeqIO's evaluator caches the whole inference split), a second or more that
+  would otherwise delay the first training step; in the background it
+  overlaps the compile and the first steps. `get` waits for them, so the
+  first evaluation uses them as built, and raises what building raised.
+  """
+
+  def __init__(self, build_train_eval: Callable[[], TrainEvaluator] | None,
+               build_infer_eval: Callable[[], inference.InferenceEvaluator] | None):
+    self._built: tuple[TrainEvaluator | None, inference.InferenceEvaluator | None] = (None, None)
+    self._error: BaseException | None = None
+    self._reported = False
+    self.any = build_train_eval is not None or build_infer_eval is not None
+    self._thread = threading.Thread(target=self._build, args=(build_train_eval, build_infer_eval),
+                                    name="t5lite-evaluators", daemon=True)
+    if self.any:
+      self._thread.start()
+
+  def _build(self, *builders: Callable[[], Any] | None) -> None:
+    built = []
+    try:
+      for build in builders:
+        built.append(build() if build is not None else None)
+    except BaseException as e:  # raised again by get(), in the loop's thread
+      self._error = e
+    self._built = tuple(built + [None] * (2 - len(built)))
+
+  def get(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
+    """(train-eval, inference) evaluators, None where not configured."""
+    if self.any:
+      self._thread.join()
+    if self._error is not None:
+      self._reported = True
+      raise self._error
+    return self._built
+
+  def close(self) -> None:
+    """Closes the writers of what was built; a failed build that no
+    evaluation reported is logged."""
+    if self.any:
+      self._thread.join()
+    if self._error is not None and not self._reported:
+      metrics_lib.log_line(f"Warning: the evaluators could not be built: {self._error}")
+    for evaluator in self._built:
+      if evaluator is not None:
+        evaluator.close()
 
 
 def _diverged_message(loop: _Loop, problem: str) -> str:
@@ -145,12 +196,13 @@ def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | No
 def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None:
   """Train-eval and inference eval at `step`, then their actions."""
   stop = None
-  if loop.evaluator:
-    results = loop.evaluator.evaluate(step, params)
+  evaluator, infer_evaluator = loop.evaluators.get()
+  if evaluator:
+    results = evaluator.evaluate(step, params)
     stop = actions_lib.run_actions(loop.actions, actions_lib.ActionMode.TRAIN_EVAL, step,
                                    results)
-  if loop.infer_evaluator:
-    results = loop.infer_evaluator.evaluate(step, params)
+  if infer_evaluator:
+    results = infer_evaluator.evaluate(step, params)
     stop = actions_lib.run_actions(loop.actions, actions_lib.ActionMode.INFER_EVAL, step,
                                    results) or stop
   loop.progress.reset_clock(step)
@@ -374,22 +426,23 @@ def _build_loop(run: RunConfig, trainer: Any, periods: Periods, data: TrainData,
                 end: int) -> _Loop:
   """The compiled step, the evaluators and the writers around the data."""
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
-  evaluator = infer_evaluator = None
+  build_eval = build_infer = None
   if run.train_eval_dataset_cfg is not None and periods.eval:
-    evaluator = TrainEvaluator(model=run.model, cfg=run.train_eval_dataset_cfg,
-                               partitioner=run.partitioner, trainer=trainer,
-                               params_shardings=specs.shardings.params,
-                               eval_steps=run.eval_steps, model_dir=run.model_dir)
+    build_eval = functools.partial(
+        TrainEvaluator, model=run.model, cfg=run.train_eval_dataset_cfg,
+        partitioner=run.partitioner, trainer=trainer, params_shardings=specs.shardings.params,
+        eval_steps=run.eval_steps, model_dir=run.model_dir)
   if run.infer_eval_dataset_cfg is not None and periods.eval:
-    infer_evaluator = inference.InferenceEvaluator(
-        model=run.model, cfg=run.infer_eval_dataset_cfg, partitioner=run.partitioner,
-        params_shardings=specs.shardings.params, output_dir=run.model_dir)
+    build_infer = functools.partial(
+        inference.InferenceEvaluator, model=run.model, cfg=run.infer_eval_dataset_cfg,
+        partitioner=run.partitioner, params_shardings=specs.shardings.params,
+        output_dir=run.model_dir)
   writer = metrics_lib.SummaryWriter(os.path.join(run.model_dir, "train"),
                                      jax.process_index() == 0)
   progress = report.progress(run.model, data, start, end, run.peak_flops_per_device)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
-               progress=progress, periods=periods, evaluator=evaluator,
-               infer_evaluator=infer_evaluator, actions=run.actions,
+               progress=progress, periods=periods,
+               evaluators=_Evaluators(build_eval, build_infer), actions=run.actions,
                train_task=run.train_dataset_cfg.mixture_or_task_name,
                total_steps=end, divergence=DivergenceCheck(run.divergence))
 
@@ -418,9 +471,7 @@ def _close(loop: _Loop, failing: BaseException | None = None) -> None:
       metrics_lib.log_line(f"Warning: {e}")
     finally:
       loop.writer.close()
-      for evaluator in (loop.evaluator, loop.infer_evaluator):
-        if evaluator:
-          evaluator.close()
+      loop.evaluators.close()
 
 
 def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:

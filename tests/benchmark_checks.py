@@ -83,15 +83,19 @@ def check_compare_commits(results_dir, gin_file):
 
 
 def check_startup(results_dir, gin_file):
-  """benchmarks/startup.py: a cold launch compiles what the warm one loads."""
+  """benchmarks/startup.py: a cold launch compiles what the warm one loads,
+  and the restart resumes from the cold launch's checkpoint with the cache."""
   r = _load(results_dir, "startup")["results"][gin_file]
-  [cold], [warm] = r["runs"]["cold"], r["runs"]["warm"]
+  [cold], [warm], [restart] = r["runs"]["cold"], r["runs"]["warm"], r["runs"]["restart"]
   assert cold["compiled"] > 0
   assert warm["loaded"] == cold["loaded"] + cold["compiled"] and warm["compiled"] == 0
-  for run in (cold, warm):
+  # No fresh initialisation to run, the train step and evaluation from the cache.
+  assert 0 < restart["loaded"] < warm["loaded"]
+  for run in (cold, warm, restart):
     assert 0 < run["first_step_seconds"] < run["total_seconds"]
-  assert r["warm_over_cold"] == pytest.approx(
-      warm["first_step_seconds"] / cold["first_step_seconds"])
+  for kind, run in (("warm", warm), ("restart", restart)):
+    assert r[f"{kind}_over_cold"] == pytest.approx(
+        run["first_step_seconds"] / cold["first_step_seconds"])
 
 
 def check_memory(results_dir, gin_file):

@@ -332,3 +332,53 @@ def test_long_inputs_are_cut_like_training_and_counted_once(capsys):
   # The inference feature converter takes them all (too long ones used to fail it).
   converted = seqio.EncDecFeatureConverter(pack=False)(examples, {"inputs": 8, "targets": 4})
   assert len(list(converted.as_numpy_iterator())) == 5
+
+
+def _train_with_train_eval(model_dir, eval_cfg=None):
+  """Two tiny steps, train-eval at step 2; returns the final step."""
+  from t5lite import testing
+  from t5lite import train as train_lib
+  from t5lite.checkpoints import CheckpointConfig
+  from t5lite.data.datasets import DatasetConfig
+  from t5lite.partitioning import Partitioner
+  from t5lite.trainer import Trainer
+  cfg = DatasetConfig("t5lite_span_corruption", {"inputs": 32, "targets": 16}, "train", 4,
+                      False, 0, pack=True)
+  step, _ = train_lib.train(
+      model=testing.tiny_encoder_decoder(), train_dataset_cfg=cfg,
+      train_eval_dataset_cfg=eval_cfg or cfg, checkpoint_cfg=CheckpointConfig(save=None),
+      partitioner=Partitioner(), trainer_cls=Trainer, model_dir=str(model_dir), total_steps=2,
+      eval_period=2, eval_steps=1, random_seed=0)
+  return step
+
+
+def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
+  # Their pipelines are built while the first steps compile and run; the
+  # evaluation at step 2 then uses them.
+  import threading
+
+  from t5lite import train as train_lib
+  from t5lite import train_eval
+  built_on = []
+
+  class Recording(train_eval.TrainEvaluator):
+    def __init__(self, **kwargs):
+      built_on.append(threading.current_thread().name)
+      super().__init__(**kwargs)
+
+  monkeypatch.setattr(train_lib, "TrainEvaluator", Recording)
+  assert _train_with_train_eval(tmp_path) == 2
+  assert built_on == ["t5lite-evaluators"]
+  assert scalars(os.path.join(tmp_path, "training_eval", "t5lite_span_corruption"), "loss")
+
+
+def test_an_evaluator_that_fails_to_build_stops_the_run_at_its_first_evaluation(
+    tmp_path, monkeypatch):
+  from t5lite import train as train_lib
+
+  def failing(**kwargs):
+    raise ValueError("no such split")
+
+  monkeypatch.setattr(train_lib, "TrainEvaluator", failing)
+  with pytest.raises(ValueError, match="no such split"):
+    _train_with_train_eval(tmp_path)

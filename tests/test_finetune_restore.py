@@ -9,6 +9,7 @@ a train step.
 """
 
 import os
+import shutil
 
 import gin
 import jax
@@ -205,3 +206,22 @@ def test_finetune_gin_binds_a_params_only_restore(path):
   finally:
     gin.config.clear_config(clear_constants=True)
   assert cfg.restore == RestoreCheckpointConfig(path=path, mode="specific", params_only=True)
+
+
+def test_a_restart_builds_its_training_pipeline_once(pretrained, tmp_path, monkeypatch):
+  # A's checkpoint holds no data iterator, so the resumed run fast-forwards the
+  # pipeline to step 2; it must not also build one at step 0 first.
+  from t5lite.data import datasets
+  model_dir = tmp_path / "resumed"
+  shutil.copytree(os.path.dirname(os.path.dirname(pretrained["path"])), model_dir)
+  built = []
+  original = datasets.get_dataset
+
+  def counting(cfg, *args, **kwargs):
+    built.append(cfg.mixture_or_task_name)
+    return original(cfg, *args, **kwargs)
+
+  monkeypatch.setattr(datasets, "get_dataset", counting)
+  run = _train(monkeypatch, model_dir, total_steps=3)
+  assert run["start"] == 2 and run["step"] == 3
+  assert built == [CFG.mixture_or_task_name]
