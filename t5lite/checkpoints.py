@@ -262,22 +262,33 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
         + ". Use the configuration it was trained with, or a new MODEL_DIR.")
 
 
-def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
-  """Whether `step` holds data iterators this run can continue from.
+def _saved_iterators(directory: str, step: int) -> int:
+  """How many processes saved their data iterator in `step` (0: none)."""
+  path = os.path.join(directory, str(step), _DATASET)
+  if not os.path.isdir(path):
+    return 0
+  return sum(name.startswith("process_") for name in os.listdir(path))
+
+
+def holds_dataset(directory: str, step: int) -> bool:
+  """Whether `step` of the checkpoints in `directory` holds data iterators
+  this run can continue from.
 
   Each process saved its own iterator; with a different number of processes
   they do not fit this run, whose data is fast-forwarded instead.
   """
-  path = os.path.join(str(manager.directory), str(step), _DATASET)
-  if not os.path.isdir(path):
-    return False
-  saved = sum(name.startswith("process_") for name in os.listdir(path))
-  if saved != jax.process_count():
+  return _saved_iterators(directory, step) == jax.process_count()
+
+
+def _has_dataset(manager: ocp.CheckpointManager, step: int) -> bool:
+  """`holds_dataset`, with a warning when the iterators are of another
+  number of processes."""
+  saved = _saved_iterators(str(manager.directory), step)
+  if saved and saved != jax.process_count():
     logging.warning("Checkpoint %s holds data iterators of %d processes but this run has %d; "
                     "the data is fast-forwarded to that step instead.", step, saved,
                     jax.process_count())
-    return False
-  return True
+  return saved == jax.process_count()
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
@@ -442,10 +453,6 @@ class Checkpointer:
       CheckpointMismatchError: the step belongs to another model.
     """
     return _restore(self._manager, step, abstract_state, dataset_iterator)
-
-  def holds_dataset(self, step: int) -> bool:
-    """Whether `step` saved data iterators that this run can restore."""
-    return _has_dataset(self._manager, step)
 
   def restore_newest(self, steps: Sequence[int], abstract_state: Any,
                      dataset_iterator: Any = None) -> Restored:

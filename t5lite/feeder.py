@@ -160,10 +160,14 @@ class TrainData:
     self._partitioner = partitioner
     self._depth = prefetch_batches
     self._prefetcher: _Prefetcher | None = None
-    # The pipeline is built when first needed (see `skip`), so a restart that
-    # fast-forwards builds it once, at its position, not a second time.
+    # The pipeline is built when first needed (see `skip`), or in the
+    # background from `build_in_background`, so a restart that fast-forwards
+    # builds it once, at its position, not a second time.
     self._ds: Any = None
     self._iterator: Any = None
+    self._unused_at: int | None = None  # position of a pipeline no batch was taken from
+    self._building: threading.Thread | None = None
+    self._build_error: BaseException | None = None
     if self.per_host:
       metrics_lib.log_line(
           f"Warning: train/DatasetConfig.shard_by_host=True: each of the {layout.num_shards} "
@@ -175,8 +179,10 @@ class TrainData:
   def iterator(self) -> Any:
     """The tf.data iterator (a checkpoint saves and restores its position);
     from the first batch unless `skip` placed it elsewhere."""
+    self._wait_for_build()
     if self._iterator is None:
-      self.skip(0)
+      self._build_at(0)
+    self._unused_at = None  # whoever holds it may move it
     return self._iterator
 
   @functools.cached_property
@@ -186,8 +192,9 @@ class TrainData:
         {k: spec.shape for k, spec in self._element_spec().items()})
 
   def _element_spec(self) -> dict[str, Any]:
+    self._wait_for_build()
     if self._ds is None:
-      self.skip(0)
+      self._build_at(0)
     return self._ds.element_spec
 
   def global_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -202,14 +209,46 @@ class TrainData:
     Built anew because a second iterator over the same tf.data shuffle draws
     another order. Always through `skip`, even `skip(0)` (which tf.data must
     not optimise away), so a saved iterator restores into the same graph
-    whatever position it was saved at.
+    whatever position it was saved at. A pipeline already built at
+    `num_batches` that no batch was taken from is kept as it is.
     """
+    self._wait_for_build()
+    if self._unused_at != num_batches:
+      self._build_at(num_batches)
+
+  def build_in_background(self, num_batches: int) -> None:
+    """Starts building the pipeline at `num_batches` (as `skip` does) on a
+    background thread; whatever needs it next waits for it and raises what
+    building raised. Training's start-up initialises or restores the state
+    meanwhile, which spends much of its time compiling or reading, not
+    holding Python's interpreter lock."""
+    self._wait_for_build()
+
+    def build():
+      try:
+        self._build_at(num_batches)
+      except BaseException as e:  # raised again by _wait_for_build
+        self._build_error = e
+
+    self._building = threading.Thread(target=build, name="t5lite-data-build", daemon=True)
+    self._building.start()
+
+  def _wait_for_build(self) -> None:
+    building, self._building = self._building, None
+    if building is not None:
+      building.join()
+    error, self._build_error = self._build_error, None
+    if error is not None:
+      raise error
+
+  def _build_at(self, num_batches: int) -> None:
     import tensorflow as tf  # the pipeline is tf.data already; imported where used
     options = tf.data.Options()
     options.experimental_optimization.noop_elimination = False
     ds = self._make().skip(num_batches).with_options(options)
     self._ds = _leave_cores_to_the_step(ds)
     self._iterator = iter(self._ds)
+    self._unused_at = num_batches
 
   def __iter__(self) -> "TrainData":
     return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -97,6 +98,19 @@ def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | N
   return Start("restore", ckpt_lib.resolve_restore_path(restore_cfg)[1], plan)
 
 
+def data_position(start: Start, model_dir: str) -> int:
+  """The batch the training data starts at for `start`, known before any
+  state is read: the resumed step, unless that step saved its data iterator
+  (restored into the pipeline built at batch 0); the restored step of a
+  restore path; else 0. A resume that falls back past an unreadable step
+  moves the data once more, to the step it restored.
+  """
+  if start.kind == "resume":
+    checkpoints = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
+    return 0 if ckpt_lib.holds_dataset(checkpoints, start.step) else start.step
+  return start.step if start.kind == "restore" else 0
+
+
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
@@ -165,9 +179,10 @@ def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
   if plan.note:
     metrics_lib.log_line(plan.note)
   metrics_lib.log_line(f"Restoring step {max(plan.candidates)} from {checkpointer.directory}")
-  # The pipeline is built only for a checkpoint with an iterator to restore
-  # into; otherwise `fast_forward` builds it once, at the restored step.
-  with_iterator = data is not None and checkpointer.holds_dataset(max(plan.candidates))
+  # The pipeline at batch 0 is used only for a checkpoint with an iterator to
+  # restore into; otherwise `fast_forward` places it at the restored step.
+  with_iterator = data is not None and ckpt_lib.holds_dataset(checkpointer.directory,
+                                                              max(plan.candidates))
   restored = checkpointer.restore_newest(plan.candidates, abstract,
                                          data.iterator if with_iterator else None)
   for warning in restored.warnings:

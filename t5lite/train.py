@@ -491,11 +491,15 @@ def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:
 def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   model, partitioner, train_cfg = run.model, run.partitioner, run.train_dataset_cfg
+  restore = run.checkpoint_cfg.restore
   data = TrainData(model, train_cfg, partitioner, run.prefetch_batches)
+  # Built while the state is traced, initialised or restored, at the batch
+  # the run will start from.
+  data.build_in_background(state_init.data_position(
+      state_init.find_start(run.model_dir, restore, run.resume_step), run.model_dir))
   specs, init_fn = state_init.state_specs(model, partitioner, *model.input_shapes_and_types(
       train_cfg.task_feature_lengths, train_cfg.pack))
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
-  restore = run.checkpoint_cfg.restore
   if restore is not None and interop.checkpoint_format(restore.path):
     interop.check_fits(restore.path, specs.abstract.params)  # reads metadata only
   checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)

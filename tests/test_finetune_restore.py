@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5lite import checkpoints, cli, testing, tree_paths
+from t5lite import checkpoints, cli, feeder, testing, tree_paths
 from t5lite import state_init
 from t5lite import train as train_lib
 from t5lite.checkpoints import CheckpointConfig, RestoreCheckpointConfig, SaveCheckpointConfig
@@ -225,3 +225,44 @@ def test_a_restart_builds_its_training_pipeline_once(pretrained, tmp_path, monke
   run = _train(monkeypatch, model_dir, total_steps=3)
   assert run["start"] == 2 and run["step"] == 3
   assert built == [CFG.mixture_or_task_name]
+
+
+def test_the_training_pipeline_is_built_while_the_state_restores(pretrained, tmp_path,
+                                                                  monkeypatch):
+  # Built on its own thread, at the batch the restored step continues from.
+  import threading
+
+  from t5lite.data import datasets
+  model_dir = tmp_path / "resumed"
+  shutil.copytree(os.path.dirname(os.path.dirname(pretrained["path"])), model_dir)
+  built_on = []
+  original = datasets.get_dataset
+
+  def recording(cfg, *args, **kwargs):
+    built_on.append(threading.current_thread().name)
+    return original(cfg, *args, **kwargs)
+
+  skipped = []
+  original_build_at = feeder.TrainData._build_at
+
+  def recording_build_at(self, num_batches):
+    skipped.append(num_batches)
+    return original_build_at(self, num_batches)
+
+  monkeypatch.setattr(datasets, "get_dataset", recording)
+  monkeypatch.setattr(feeder.TrainData, "_build_at", recording_build_at)
+  run = _train(monkeypatch, model_dir, total_steps=3)
+  assert run["start"] == 2 and run["step"] == 3
+  assert built_on == ["t5lite-data-build"] and skipped == [2]
+
+
+def test_a_failed_background_build_is_raised_where_the_data_is_needed(monkeypatch):
+  data = feeder.TrainData(testing.tiny_encoder_decoder(), CFG, Partitioner(), prefetch_batches=0)
+
+  def failing(num_batches):
+    raise ValueError(f"cannot build at {num_batches}")
+
+  monkeypatch.setattr(data, "_build_at", failing)
+  data.build_in_background(3)
+  with pytest.raises(ValueError, match="cannot build at 3"):
+    data.shardings
