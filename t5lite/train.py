@@ -111,9 +111,12 @@ class _Evaluators:
 
   Building them reads and preprocesses the eval splits (tf.data graphs, and
   SeqIO's evaluator caches the whole inference split), a second or more that
-  would otherwise delay the first training step; in the background it
-  overlaps the compile and the first steps. `get` waits for them, so the
-  first evaluation uses them as built, and raises what building raised.
+  would otherwise delay the first training step. `start` begins it once the
+  first step is dispatched (started earlier, it would only take turns at
+  Python's interpreter lock with tracing that step), so it overlaps the
+  steps before the first evaluation. `get` starts it if needed and waits,
+  so the first evaluation uses the evaluators as built, and raises what
+  building raised.
   """
 
   def __init__(self, build_train_eval: Callable[[], TrainEvaluator] | None,
@@ -122,9 +125,14 @@ class _Evaluators:
     self._error: BaseException | None = None
     self._reported = False
     self.any = build_train_eval is not None or build_infer_eval is not None
+    self._started = False
     self._thread = threading.Thread(target=self._build, args=(build_train_eval, build_infer_eval),
                                     name="t5lite-evaluators", daemon=True)
-    if self.any:
+
+  def start(self) -> None:
+    """Starts building (once)."""
+    if self.any and not self._started:
+      self._started = True
       self._thread.start()
 
   def _build(self, *builders: Callable[[], Any] | None) -> None:
@@ -138,6 +146,7 @@ class _Evaluators:
 
   def get(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
     """(train-eval, inference) evaluators, None where not configured."""
+    self.start()
     if self.any:
       self._thread.join()
     if self._error is not None:
@@ -148,7 +157,7 @@ class _Evaluators:
   def close(self) -> None:
     """Closes the writers of what was built; a failed build that no
     evaluation reported is logged."""
-    if self.any:
+    if self._started:
       self._thread.join()
     if self._error is not None and not self._reported:
       metrics_lib.log_line(f"Warning: the evaluators could not be built: {self._error}")
@@ -239,6 +248,7 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
       loop.data.prefetch(stats_end - step)
       while step < stats_end:
         state, step_metrics = loop.step_fn(state, next(loop.data))
+        loop.evaluators.start()  # after the first step's trace (see _Evaluators)
         step += 1
         pending.append(step_metrics)
         if jax.process_count() == 1 and stops.PREEMPTION.is_set():
