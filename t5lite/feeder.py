@@ -234,12 +234,13 @@ class TrainData:
     self._building.start()
 
   def _wait_for_build(self) -> None:
-    building, self._building = self._building, None
+    # Every caller joins (the loop's and the prefetch thread may both ask),
+    # and a failed build keeps failing: nothing falls back to another position.
+    building = self._building
     if building is not None:
       building.join()
-    error, self._build_error = self._build_error, None
-    if error is not None:
-      raise error
+    if self._build_error is not None:
+      raise self._build_error
 
   def _build_at(self, num_batches: int) -> None:
     import tensorflow as tf  # the pipeline is tf.data already; imported where used

@@ -266,3 +266,6 @@ def test_a_failed_background_build_is_raised_where_the_data_is_needed(monkeypatc
   data.build_in_background(3)
   with pytest.raises(ValueError, match="cannot build at 3"):
     data.shardings
+  # And again: nothing falls back to a pipeline at another position.
+  with pytest.raises(ValueError, match="cannot build at 3"):
+    next(data)
