@@ -111,6 +111,29 @@ class _Prefetcher:
     return left
 
 
+class Background:
+  """`fn()` on a daemon thread; `result()` waits for it and returns its value
+  or raises what it raised (every time it is asked)."""
+
+  def __init__(self, fn: Callable[[], Any], name: str):
+    self._value: Any = None
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+    self._thread.start()
+
+  def _run(self, fn: Callable[[], Any]) -> None:
+    try:
+      self._value = fn()
+    except BaseException as e:  # raised again by result(), in the caller's thread
+      self._error = e
+
+  def result(self) -> Any:
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+
 @dataclasses.dataclass(frozen=True)
 class _Failure:
   """An exception raised while building a batch in the background."""
@@ -166,8 +189,7 @@ class TrainData:
     self._ds: Any = None
     self._iterator: Any = None
     self._unused_at: int | None = None  # position of a pipeline no batch was taken from
-    self._building: threading.Thread | None = None
-    self._build_error: BaseException | None = None
+    self._building: Background | None = None
     if self.per_host:
       metrics_lib.log_line(
           f"Warning: train/DatasetConfig.shard_by_host=True: each of the {layout.num_shards} "
@@ -223,24 +245,13 @@ class TrainData:
     meanwhile, which spends much of its time compiling or reading, not
     holding Python's interpreter lock."""
     self._wait_for_build()
-
-    def build():
-      try:
-        self._build_at(num_batches)
-      except BaseException as e:  # raised again by _wait_for_build
-        self._build_error = e
-
-    self._building = threading.Thread(target=build, name="t5lite-data-build", daemon=True)
-    self._building.start()
+    self._building = Background(lambda: self._build_at(num_batches), "t5lite-data-build")
 
   def _wait_for_build(self) -> None:
-    # Every caller joins (the loop's and the prefetch thread may both ask),
+    # Every caller waits (the loop's and the prefetch thread may both ask),
     # and a failed build keeps failing: nothing falls back to another position.
-    building = self._building
-    if building is not None:
-      building.join()
-    if self._build_error is not None:
-      raise self._build_error
+    if self._building is not None:
+      self._building.result()
 
   def _build_at(self, num_batches: int) -> None:
     import tensorflow as tf  # the pipeline is tf.data already; imported where used

@@ -115,7 +115,8 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
                     seed: int, data: TrainData | None = None,
-                    resume_step: int | None = None) -> tuple[TrainState, int]:
+                    resume_step: int | None = None,
+                    start: Start | None = None) -> tuple[TrainState, int]:
   """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
 
   The data continues where the restored step left it: from the saved
@@ -127,6 +128,9 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   resumes its own full state. Unreadable newer steps, and with
   `resume_step` the steps after it, are moved out of the way (never
   deleted) once a step has restored.
+
+  `start` is `find_start`'s decision when the caller already made it
+  (training does, to build the data at its position meanwhile).
 
   Returns:
     (state, step it starts from).
@@ -141,7 +145,7 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   # Init under jit with output shardings: a large model is created already
   # split over the devices, never whole on one.
   init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
-  start = find_start(checkpointer.model_dir, restore_cfg, resume_step)
+  start = start or find_start(checkpointer.model_dir, restore_cfg, resume_step)
   unfinished = [s for s in checkpointer.unfinished_steps()
                 if start.kind != "resume" or s > start.step]
   if unfinished:

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import gc
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,7 +36,7 @@ from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceCheck, DivergenceLimits
-from t5lite.feeder import TrainData
+from t5lite.feeder import Background, TrainData
 from t5lite.partitioning import Partitioner
 from t5lite.periods import Periods, compute_periods
 from t5lite.run_config import RunConfig
@@ -121,47 +120,45 @@ class _Evaluators:
 
   def __init__(self, build_train_eval: Callable[[], TrainEvaluator] | None,
                build_infer_eval: Callable[[], inference.InferenceEvaluator] | None):
-    self._built: tuple[TrainEvaluator | None, inference.InferenceEvaluator | None] = (None, None)
-    self._error: BaseException | None = None
+    self._builders = (build_train_eval, build_infer_eval)
+    self._building: Background | None = None
     self._reported = False
-    self.any = build_train_eval is not None or build_infer_eval is not None
-    self._started = False
-    self._thread = threading.Thread(target=self._build, args=(build_train_eval, build_infer_eval),
-                                    name="t5lite-evaluators", daemon=True)
 
   def start(self) -> None:
     """Starts building (once)."""
-    if self.any and not self._started:
-      self._started = True
-      self._thread.start()
+    if self._building is None and any(self._builders):
+      self._building = Background(self._build, "t5lite-evaluators")
 
-  def _build(self, *builders: Callable[[], Any] | None) -> None:
-    built = []
+  def _build(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
+    build_train_eval, build_infer_eval = self._builders
+    evaluator = build_train_eval() if build_train_eval else None
     try:
-      for build in builders:
-        built.append(build() if build is not None else None)
-    except BaseException as e:  # raised again by get(), in the loop's thread
-      self._error = e
-    self._built = tuple(built + [None] * (2 - len(built)))
+      return evaluator, build_infer_eval() if build_infer_eval else None
+    except BaseException:
+      if evaluator is not None:
+        evaluator.close()
+      raise
 
   def get(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
     """(train-eval, inference) evaluators, None where not configured."""
     self.start()
-    if self.any:
-      self._thread.join()
-    if self._error is not None:
-      self._reported = True
-      raise self._error
-    return self._built
+    if self._building is None:
+      return None, None
+    self._reported = True  # a failed build is raised here, to the loop
+    return self._building.result()
 
   def close(self) -> None:
     """Closes the writers of what was built; a failed build that no
     evaluation reported is logged."""
-    if self._started:
-      self._thread.join()
-    if self._error is not None and not self._reported:
-      metrics_lib.log_line(f"Warning: the evaluators could not be built: {self._error}")
-    for evaluator in self._built:
+    if self._building is None:
+      return
+    try:
+      built = self._building.result()
+    except BaseException as e:  # noqa: BLE001 - the run is ending; say it, do not mask
+      if not self._reported:
+        metrics_lib.log_line(f"Warning: the evaluators could not be built: {e}")
+      return
+    for evaluator in built:
       if evaluator is not None:
         evaluator.close()
 
@@ -505,8 +502,8 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   data = TrainData(model, train_cfg, partitioner, run.prefetch_batches)
   # Built while the state is traced, initialised or restored, at the batch
   # the run will start from.
-  data.build_in_background(state_init.data_position(
-      state_init.find_start(run.model_dir, restore, run.resume_step), run.model_dir))
+  planned = state_init.find_start(run.model_dir, restore, run.resume_step)
+  data.build_in_background(state_init.data_position(planned, run.model_dir))
   specs, init_fn = state_init.state_specs(model, partitioner, *model.input_shapes_and_types(
       train_cfg.task_feature_lengths, train_cfg.pack))
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
@@ -515,7 +512,8 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)
   state, start = state_init.init_or_restore(
       specs=specs, init_fn=init_fn, partitioner=partitioner, checkpointer=checkpointer,
-      restore_cfg=restore, seed=run.seed, data=data, resume_step=run.resume_step)
+      restore_cfg=restore, seed=run.seed, data=data, resume_step=run.resume_step,
+      start=planned)
   end = start + run.relative_steps if run.relative_steps is not None else run.total_steps
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
