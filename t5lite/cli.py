@@ -504,6 +504,8 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     _stop(stop.exit_code, one_line(stop))
   except OSError as error:  # a failed write or read of the disk, not the input
     _stop(IO_ERROR_EXIT, one_line(error))
+  except compilation_cache.StaleProgramError as error:  # explained in full, no traceback
+    _stop(1, one_line(error))
   except Exception as error:
     import traceback
     traceback.print_exc()

@@ -13,13 +13,42 @@ its compile (JAX's default skips those under a second, and a tiny model has
 many of them); $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS still overrides
 that. The directory grows with each new configuration and JAX version;
 deleting it at any time only costs the next run its compiles.
+
+JAX finds a program in its cache only after tracing and lowering it, which
+for a training step takes seconds of a warm launch. The programs of a run
+that `Partitioner.partition(..., program=...)` names (the train step, the
+state's initialisation) are also kept in the program store,
+DIR/t5lite-programs, under a key known before tracing (`program_key`): the
+run's gin config (MODEL_DIR aside), t5lite's source files and those of the
+other non-library modules loaded, the versions of the libraries that build
+programs, JAX's settings and XLA's environment variables, the devices and
+processes, the program's own constants (the dropout seed) and its
+arguments' shapes, dtypes and shardings. A launch with the same key loads
+the executable without tracing. Because a key cannot see everything (a
+file a custom configurable reads, a library edited in place), every program
+loaded from the store is traced and lowered once more on a background
+thread after the first step, and its lowered module is compared with the one
+it was stored with; a checkpoint waits for that check (`verify_loaded`), and
+a program that differs stops the run before anything it computed is saved
+(`StaleProgramError`), its entry removed so the next launch compiles it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import io
+import json
 import os
+import pickle
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -28,7 +57,14 @@ ENV_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # The events JAX records for each compile that asks the cache, and each hit.
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+_STORE_HIT = "t5lite/program_store_hits"
+_FRESH_COMPILE = "t5lite/compiles_outside_jax_cache"
 _EVENTS: collections.Counter = collections.Counter()
+PROGRAMS_SUBDIR = "t5lite-programs"
+# Bumped when the entries' layout changes: older entries are then never read.
+_STORE_FORMAT = 1
+# The libraries whose code ends up in a program; their versions are in its key.
+_DISTRIBUTIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes", "gin-config")
 
 
 def default_directory() -> str:
@@ -65,6 +101,7 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
     when the directory cannot be created (a warning says so; a run never
     fails for its cache).
   """
+  _STORE["directory"] = None
   if not enabled:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
@@ -82,6 +119,8 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
   jax.config.update("jax_compilation_cache_dir", directory)
   if ENV_MIN_COMPILE_TIME not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if "://" not in directory:
+    _STORE["directory"] = os.path.join(directory, PROGRAMS_SUBDIR)
   return directory
 
 
@@ -102,4 +141,303 @@ def use() -> CacheUse:
   if not jax.config.jax_enable_compilation_cache or not directory:
     return CacheUse(None, 0, 0)
   hits = _EVENTS[_HIT_EVENT]
-  return CacheUse(directory, hits, _EVENTS[_REQUEST_EVENT] - hits)
+  return CacheUse(directory, hits + _EVENTS[_STORE_HIT],
+                  _EVENTS[_REQUEST_EVENT] - hits + _EVENTS[_FRESH_COMPILE])
+
+
+# The program store's directory: set by `configure` (t5lite's commands, whose
+# programs come from a gin config), never from JAX's settings alone, so a
+# program built in Python outside a gin config is never looked up by a key
+# that cannot describe it.
+_STORE: dict[str, str | None] = {"directory": None}
+
+
+class StaleProgramError(RuntimeError):
+  """A program loaded from the store differs from what this code compiles."""
+
+
+def store_directory() -> str | None:
+  """The program store in use, or None when it is off."""
+  return _STORE["directory"]
+
+
+@functools.cache
+def _code_digest() -> str:
+  """t5lite's source files, and those of every other loaded module imported
+  from outside Python and its installed libraries (a user's configurables
+  and what they import, from the working directory or $PYTHONPATH). Once
+  per process: a run's modules are all imported before its first program."""
+  digest = hashlib.sha256()
+  package = os.path.dirname(os.path.realpath(__file__))
+  files = set()
+  for root, _, names in os.walk(package):
+    files.update(os.path.join(root, n) for n in names if n.endswith(".py"))
+  library_paths = [sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")]
+  # Each as given and resolved: most modules are recognised without
+  # resolving their own paths (thousands of them, a second of system calls).
+  libraries = tuple({os.path.join(f(p), "") for p in library_paths
+                     for f in (os.path.abspath, os.path.realpath)})
+  roots = tuple({os.path.join(os.path.realpath(p or os.getcwd()), "") for p in sys.path})
+  for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None)
+    if path and path.endswith(".py") and not os.path.abspath(path).startswith(libraries):
+      path = os.path.realpath(path)
+      if path.startswith(roots) and not path.startswith(libraries):
+        files.add(path)
+  for path in sorted(files):
+    try:
+      with open(path, "rb") as f:
+        content = f.read()
+    except OSError:
+      content = b"unreadable"
+    digest.update(path.encode() + b"\0" + hashlib.sha256(content).digest())
+  return digest.hexdigest()
+
+
+def _gin_config() -> str:
+  """Every gin binding of the run except the MODEL_DIR macro, which names
+  where a run writes and nothing it computes (comments and blank lines left
+  out too)."""
+  import gin
+  lines, skipping = [], False
+  for line in gin.config_str().splitlines():
+    if skipping and line[:1].isspace():
+      continue
+    skipping = line.startswith("MODEL_DIR = ")
+    if not skipping and line.strip() and not line.startswith("#"):
+      lines.append(line)
+  return "\n".join(lines)
+
+
+def _versions() -> dict[str, str]:
+  versions = {}
+  for name in _DISTRIBUTIONS:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = "absent"
+  return versions
+
+
+def program_key(name: str, constants: tuple, args: Any) -> str:
+  """The store key of program `name` called with `args` in this process.
+
+  Args:
+    name: the program ("train_step", "init").
+    constants: Python values the program bakes in that a gin binding does
+      not give (e.g. a seed drawn from the clock).
+    args: the positional arguments of the call (arrays).
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+  described = {
+      "format": _STORE_FORMAT, "name": name, "constants": repr(constants),
+      "arguments": [(jax.tree_util.keystr(path), str(jax.typeof(x)), repr(x.sharding),
+                     getattr(x, "committed", True)) for path, x in leaves],
+      "python": sys.version, "libraries": _versions(), "code": _code_digest(),
+      "gin": _gin_config(),
+      "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+      "environment": sorted((k, v) for k, v in os.environ.items()
+                            if k.startswith(("XLA_", "JAX_", "LIBTPU", "TPU_", "NCCL_"))),
+      "devices": [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()],
+      "process": (jax.process_index(), jax.process_count()),
+      "backend": jax.devices()[0].client.platform_version,
+  }
+  return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _static_objects(trees: tuple) -> list[Any]:
+  """The objects pytree nodes keep beside their children (a train state's
+  optimizer), in a fixed order; pickled by position, since functions
+  defined inside other functions cannot be pickled themselves."""
+  found = []
+
+  def walk(treedef):
+    data = treedef.node_data()
+    if data is not None and data[1] is not None:
+      aux = data[1]
+      for item in (aux if type(aux) is tuple else (aux,)):
+        if not isinstance(item, (str, bytes, int, float, bool, list)):
+          found.append(item)
+    for child in treedef.children():
+      walk(child)
+
+  for tree in trees:
+    walk(jax.tree.structure(tree))
+  return found
+
+
+class _TreePickler(pickle.Pickler):
+  def __init__(self, file, statics: list[Any]):
+    super().__init__(file)
+    self._positions = {id(obj): i for i, obj in enumerate(statics)}
+
+  def persistent_id(self, obj):
+    position = self._positions.get(id(obj))
+    return None if position is None else ("static", position)
+
+
+class _TreeUnpickler(pickle.Unpickler):
+  def __init__(self, file, statics: list[Any]):
+    super().__init__(file)
+    self._statics = statics
+
+  def persistent_load(self, pid):
+    return self._statics[pid[1]]
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+  """`x` without its values, lowered as `x` is: an uncommitted array (one
+  jit may place anywhere) keeps no sharding, as a committed one does."""
+  committed = getattr(x, "committed", True)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
+
+
+def _module_digest(lowered: Any) -> str:
+  return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class _Loaded:
+  """A program loaded from the store, to be checked against this code."""
+  name: str
+  path: str
+  digest: str
+  lower: Callable[[], Any]
+  check: Any = None  # the background check, once started
+
+
+_LOADED: list[_Loaded] = []
+_LOADED_LOCK = threading.Lock()
+
+
+def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..., Any],
+                    like: Any = None) -> Any:
+  """The compiled program `name` for `args`, from the store or compiled and
+  stored; None when the store is off (the caller's jit then compiles).
+
+  Args:
+    name / constants: see `program_key`.
+    args: the positional arguments of the first call.
+    lower: `lower(*args)` traces and lowers the program (`Partitioned.lower`).
+    like: a tree whose static node data the outputs share (the abstract
+      train state of an initialisation, whose arguments hold no optimizer).
+
+  Returns:
+    A `jax.stages.Compiled`, or None.
+  """
+  directory = store_directory()
+  if directory is None:
+    return None
+  from jax.experimental import serialize_executable
+  key = program_key(name, constants, args)
+  path = os.path.join(directory, f"{name}-{key[:40]}.program")
+  statics = _static_objects((args, like))
+  in_tree = jax.tree.structure((args, {}))
+  seen = f"{path}.seen"
+  afresh = os.path.exists(seen)
+  if os.path.exists(path):
+    try:
+      with open(path, "rb") as f:
+        entry = pickle.load(f)
+      out_tree = _TreeUnpickler(io.BytesIO(entry["out_tree"]), statics).load()
+      compiled = serialize_executable.deserialize_and_load(entry["executable"], in_tree, out_tree)
+    except Exception as error:  # noqa: BLE001  an unreadable entry is compiled again
+      print(f"t5lite: warning: {path} unreadable ({type(error).__name__}: "
+            f"{' '.join(str(error).split())[:200]}); compiling {name} instead.", flush=True)
+      afresh = True  # and stored in its place
+    else:
+      _EVENTS[_STORE_HIT] += 1
+      abstract = jax.tree.map(_abstract, args)
+      with _LOADED_LOCK:
+        _LOADED.append(_Loaded(name, path, entry["module"], lambda: lower(*abstract)))
+      return compiled
+  lowered = lower(*args)
+  if afresh:
+    compiled = _compile_afresh(lowered)
+  else:
+    hits = _EVENTS[_HIT_EVENT]
+    compiled = lowered.compile()
+    if _EVENTS[_HIT_EVENT] != hits:
+      # Read from JAX's cache (the same program under another key): an
+      # executable XLA loaded from bytes cannot be serialized again whole
+      # (XLA:CPU drops its kernels). The key's next launch compiles it
+      # afresh and stores it; a key launched once costs nothing more.
+      _write(seen, b"")
+      return compiled
+  try:
+    executable, _, out_tree = serialize_executable.serialize(compiled)
+    trees = io.BytesIO()
+    _TreePickler(trees, statics).dump(out_tree)
+    entry = {"executable": executable, "out_tree": trees.getvalue(),
+             "module": _module_digest(lowered)}
+    _write(path, pickle.dumps(entry))
+    if os.path.exists(seen):
+      os.remove(seen)
+  except Exception as error:  # noqa: BLE001  a run never fails for its cache
+    print(f"t5lite: warning: {name} not kept in the program store "
+          f"({type(error).__name__}: {' '.join(str(error).split())[:200]}).", flush=True)
+  return compiled
+
+
+def _write(path: str, content: bytes) -> None:
+  """Writes `path` whole or not at all (a concurrent reader never sees half)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  partial = f"{path}.{os.getpid()}.partial"
+  with open(partial, "wb") as f:
+    f.write(content)
+  os.replace(partial, path)
+
+
+def _compile_afresh(lowered: Any) -> Any:
+  """`lowered` compiled by XLA, JAX's cache neither read nor written (it
+  holds the program already). JAX's cache is a process-wide setting: this
+  runs at start-up, before any other thread compiles."""
+  from jax.experimental.compilation_cache import compilation_cache as jax_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  jax_cache.reset_cache()
+  try:
+    compiled = lowered.compile()
+    _EVENTS[_FRESH_COMPILE] += 1
+    return compiled
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax_cache.reset_cache()
+
+
+def _check(loaded: _Loaded) -> None:
+  if _module_digest(loaded.lower()) != loaded.digest:
+    try:
+      os.remove(loaded.path)
+    except OSError:
+      pass
+    raise StaleProgramError(
+        f"the {loaded.name} program loaded from {loaded.path} is not what this code and "
+        "config compile (something outside its key changed); the entry is removed and "
+        "nothing this launch computed was saved: run the same command again.")
+
+
+def verify_loaded(wait: bool) -> None:
+  """Checks every program this process loaded from the store against the
+  one its code and config lower to now.
+
+  Args:
+    wait: False starts the checks on a background thread and returns; True
+      also waits for them.
+
+  Raises:
+    StaleProgramError: with `wait`, a loaded program differs.
+  """
+  from t5lite.feeder import Background
+  with _LOADED_LOCK:
+    pending = list(_LOADED)
+    for loaded in pending:
+      if loaded.check is None:
+        loaded.check = Background(functools.partial(_check, loaded),
+                                  f"t5lite-check-{loaded.name}")
+  if wait:
+    for loaded in pending:
+      try:
+        loaded.check.result()
+      finally:  # checked once: a later run in this process loads its own
+        with _LOADED_LOCK:
+          _LOADED.remove(loaded)

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from t5lite import axis_names as ax
+from t5lite import compilation_cache
 from t5lite import tree_paths
 
 MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
@@ -363,8 +364,8 @@ class Partitioner:
 
 
   def partition(self, fn: Callable[..., Any], in_shardings: Any, out_shardings: Any,
-                donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = ()
-                ) -> "Partitioned":
+                donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = (),
+                program: tuple | None = None, like: Any = None) -> "Partitioned":
     """Jits `fn` with shardings; calls run under this mesh and rules.
 
     Args:
@@ -372,13 +373,20 @@ class Partitioner:
       in_shardings / out_shardings: trees of `NamedSharding` (or None).
       donate_argnums: arguments whose buffers the result may reuse.
       static_argnums: arguments treated as compile-time constants.
+      program: (name, *constants) keeps the program compiled for the first
+        call in the program store (see `compilation_cache`), under a key of
+        the run's config and these constants: every Python value `fn` bakes
+        in that its gin config does not give. None: JAX's cache alone.
+      like: a tree sharing the static node data of `fn`'s outputs, when its
+        arguments do not (see `compilation_cache.load_or_compile`).
 
     Returns:
       A `Partitioned`, called with the same arguments as `fn`.
     """
     return Partitioned(self, jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                                      donate_argnums=tuple(donate_argnums),
-                                     static_argnums=tuple(static_argnums)))
+                                     static_argnums=tuple(static_argnums)),
+                       program=program, like=like)
 
 
 class Partitioned:
@@ -389,11 +397,25 @@ class Partitioned:
     jitted: the `jax.jit` function itself (its compilation cache, for tests).
   """
 
-  def __init__(self, partitioner: Partitioner, jitted: Any):
+  def __init__(self, partitioner: Partitioner, jitted: Any, program: tuple | None = None,
+               like: Any = None):
     self._partitioner = partitioner
     self.jitted = jitted
+    self._program = program
+    self._like = like
+    # From the program store: None until the first call, False when off.
+    self._compiled: Any = None if program is not None else False
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._compiled is None:
+      name, *constants = self._program
+      self._compiled = (not kwargs and compilation_cache.load_or_compile(
+          name, tuple(constants), args, self.lower, self._like)) or False
+    if self._compiled:
+      try:
+        return self._compiled(*args, **kwargs)
+      except TypeError:  # other shapes or shardings than the first call's: jit them
+        self._compiled = False
     with self._partitioner.activate():
       return self.jitted(*args, **kwargs)
 

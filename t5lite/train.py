@@ -25,6 +25,7 @@ import numpy as np
 
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
+from t5lite import compilation_cache
 from t5lite import inference
 from t5lite import interop
 from t5lite import metrics as metrics_lib
@@ -202,6 +203,7 @@ def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | No
 def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None:
   """Train-eval and inference eval at `step`, then their actions."""
   stop = None
+  compilation_cache.verify_loaded(wait=True)  # as for a checkpoint (see _save)
   evaluator, infer_evaluator = loop.evaluators.get()
   if evaluator:
     results = evaluator.evaluate(step, params)
@@ -215,10 +217,18 @@ def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None
   return stop
 
 
+def _save(loop: _Loop, step: int, state: TrainState) -> None:
+  """Checkpoints `step`, once every program loaded from the program store
+  is known to be what this code compiles (nothing a stale one computed is
+  ever saved)."""
+  compilation_cache.verify_loaded(wait=True)
+  loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
+
+
 def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> actions_lib.Stop | None:
   """Checkpoint, evaluate and collect garbage when their periods come due."""
   if loop.periods.saves_at(step, loop.total_steps):
-    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
+    _save(loop, step, state)
   stop = None
   if loop.periods.evaluates_at(step, loop.total_steps):
     stop = evaluate_all(loop, step, state.params)
@@ -253,6 +263,10 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
       if jax.process_count() > 1 and _any_process_preempted(pending):
         _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
+      # Programs loaded from the store are checked while training goes on,
+      # once the first steps have run (they would otherwise share the CPU
+      # with the first step); a checkpoint waits for the checks (see _save).
+      compilation_cache.verify_loaded(wait=False)
       if stop:
         return _stop(loop, step, state, stop)
     stop = _end_of_epoch(loop, step, state)
@@ -267,7 +281,7 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
   if not stop.save:
     raise Diverged(_diverged_message(loop, f"at step {step}: {stop.reason}"))
   if loop.periods.checkpoint:
-    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
+    _save(loop, step, state)
   metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
   return state, step, stop
 
@@ -303,7 +317,7 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
     pending.append(step_metrics)
   if pending:
     _write_stats(loop, step, pending)  # also refuses to save a diverged state
-  loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
+  _save(loop, step, state)
   raise (Interrupted if stops.INTERRUPTED.is_set() else Preempted)(step)
 
 
@@ -541,6 +555,7 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
         state, end, _ = _stop(loop, start, state, stop)
       else:
         state, end, _ = run_epochs(loop, state, start)
+      compilation_cache.verify_loaded(wait=True)
   except BaseException as error:
     _close(loop, failing=error)
     raise

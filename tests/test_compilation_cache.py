@@ -1,6 +1,7 @@
 """The persistent compilation cache t5lite's commands turn on by default."""
 
 import os
+import pickle
 import re
 
 import jax
@@ -23,6 +24,7 @@ def jax_cache_settings(monkeypatch):
   yield
   for name, value in saved.items():
     jax.config.update(name, value)
+  compilation_cache.configure(None, enabled=False)  # the program store off again
 
 
 def test_default_directory_is_under_the_users_cache(tmp_path, monkeypatch, jax_cache_settings):
@@ -82,7 +84,163 @@ def test_a_second_launch_loads_every_program_and_the_flag_turns_it_off(tmp_path)
   assert first_dir == second_dir == str(cache)
   assert first_compiled > 0
   assert second_loaded == first_loaded + first_compiled and second_compiled == 0
+  # A stored train step that no longer matches what the code lowers to (its
+  # recorded module changed by hand, as if something outside its key had):
+  # the run stops in one line before it saves anything, and drops the entry.
+  (entry,) = (cache / compilation_cache.PROGRAMS_SUBDIR).glob("train_step-*.program")
+  content = pickle.loads(entry.read_bytes())
+  entry.write_bytes(pickle.dumps(dict(content, module="0" * 64)))
+  done = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'stale'}'",
+                  f"--compilation_cache_dir={cache}"], cwd=str(tmp_path))
+  assert done.returncode == 1, done.stderr[-3000:]
+  error_lines = [line for line in done.stderr.splitlines() if "train_step program" in line]
+  assert len(error_lines) == 1 and "run the same command again" in error_lines[0]
+  assert "Traceback" not in done.stderr
+  assert not entry.exists()
+  assert not list((tmp_path / "stale").glob("checkpoints/[0-9]*"))
+  assert list((tmp_path / "second").glob("checkpoints/[0-9]*"))  # where a run keeps them
   done = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'off'}'", "--nocompilation_cache"],
                  cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   assert "compilation cache off" in done.stdout
+
+
+# The program store: executables kept under a key known before tracing.
+
+
+@pytest.fixture
+def store(tmp_path, jax_cache_settings, clean_gin):
+  """The compilation cache and program store in tmp_path, JAX's cache opened
+  afresh there (and again after the test, where the settings were)."""
+  from jax.experimental.compilation_cache import compilation_cache as jax_cache
+  jax_cache.reset_cache()
+  compilation_cache.configure(str(tmp_path / "cache"))
+  yield tmp_path / "cache" / compilation_cache.PROGRAMS_SUBDIR
+  jax_cache.reset_cache()
+
+
+class _Traced:
+  """`x * scale + 1` jitted; counts its traces."""
+
+  def __init__(self, scale: float = 2.0):
+    self.scale, self.traces = scale, 0
+    self.jitted = jax.jit(self._fn)
+
+  def _fn(self, x):
+    self.traces += 1
+    return {"y": x * self.scale + 1}
+
+
+def _entries(directory, suffix=".program"):
+  return sorted(p.name for p in directory.glob(f"*{suffix}")) if directory.exists() else []
+
+
+def test_store_keeps_a_program_and_a_later_lookup_loads_it_without_tracing(store):
+  x = jax.numpy.arange(6.0).reshape(2, 3)
+  first = _Traced()
+  before = compilation_cache.use()
+  compiled = compilation_cache.load_or_compile("prog", (7,), (x,), first.jitted.lower)
+  assert first.traces == 1 and _entries(store) == [p for p in _entries(store) if p.startswith("prog-")]
+  assert len(_entries(store)) == 1
+  assert compilation_cache.use().compiled == before.compiled + 1
+  again = _Traced()  # a new process's function: only the store can spare its trace
+  loaded = compilation_cache.load_or_compile("prog", (7,), (x,), again.jitted.lower)
+  assert again.traces == 0
+  assert compilation_cache.use().loaded == before.loaded + 1
+  assert (loaded(x)["y"] == compiled(x)["y"]).all() and (loaded(x)["y"] == x * 2 + 1).all()
+  compilation_cache.verify_loaded(wait=True)  # the same program: the check passes
+  assert again.traces == 1 and len(_entries(store)) == 1
+
+
+def test_store_key_covers_constants_argument_types_and_the_gin_config(store):
+  import gin
+  x = jax.numpy.zeros((2, 3))
+  key = compilation_cache.program_key("prog", (1,), (x,))
+  assert compilation_cache.program_key("prog", (1,), (x,)) == key
+  assert compilation_cache.program_key("other", (1,), (x,)) != key
+  assert compilation_cache.program_key("prog", (2,), (x,)) != key
+  assert compilation_cache.program_key("prog", (1,), (jax.numpy.zeros((2, 4)),)) != key
+  assert compilation_cache.program_key("prog", (1,), (x.astype("bfloat16"),)) != key
+  gin.parse_config("MODEL_DIR = '/somewhere/else'")  # where a run writes: not in the key
+  assert compilation_cache.program_key("prog", (1,), (x,)) == key
+  gin.parse_config("LEARNING_RATE = 0.5")
+  assert compilation_cache.program_key("prog", (1,), (x,)) != key
+
+
+def test_store_reads_past_an_unreadable_entry_and_replaces_it(store, capsys):
+  x = jax.numpy.ones((4,))
+  compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)
+  (entry,) = store.glob("*.program")
+  entry.write_bytes(b"not a program")
+  fresh = _Traced(scale=2.0)
+  compiled = compilation_cache.load_or_compile("prog", (), (x,), fresh.jitted.lower)
+  assert "unreadable" in capsys.readouterr().out
+  assert fresh.traces == 1 and (compiled(x)["y"] == 3).all()
+  assert entry.read_bytes() != b"not a program"
+  assert compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)(x)["y"][0] == 3
+
+
+def test_a_stale_program_is_refused_and_its_entry_removed(store):
+  """What the key cannot see (here a Python constant left out of it) is
+  caught by the check of the loaded program against a fresh lowering."""
+  x = jax.numpy.ones((4,))
+  compilation_cache.load_or_compile("prog", (), (x,), _Traced(scale=2.0).jitted.lower)
+  stale = compilation_cache.load_or_compile("prog", (), (x,), _Traced(scale=5.0).jitted.lower)
+  assert (stale(x)["y"] == 3).all()  # the old program, which the check must refuse
+  with pytest.raises(compilation_cache.StaleProgramError, match="entry is removed"):
+    compilation_cache.verify_loaded(wait=True)
+  assert _entries(store) == []
+  current = _Traced(scale=5.0)
+  assert (compilation_cache.load_or_compile("prog", (), (x,), current.jitted.lower)(x)["y"]
+          == 6).all()
+  assert current.traces == 1
+  compilation_cache.verify_loaded(wait=True)  # nothing loaded is pending any more
+
+
+def test_a_program_jax_already_cached_is_stored_at_its_next_compile(store):
+  """An executable JAX's cache served cannot be serialized again (XLA:CPU
+  keeps no kernels of it), so the key is marked seen, and the next lookup
+  compiles it without JAX's cache and stores it."""
+  x = jax.numpy.ones((3,))
+  _Traced().jitted.lower(x).compile()  # into JAX's cache only
+  before = compilation_cache.use()
+  first = compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)
+  assert compilation_cache.use().loaded == before.loaded + 1
+  assert _entries(store) == [] and len(_entries(store, ".seen")) == 1
+  second = compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)
+  assert compilation_cache.use().compiled == before.compiled + 1
+  assert len(_entries(store)) == 1 and _entries(store, ".seen") == []
+  assert jax.config.jax_enable_compilation_cache  # back on after the fresh compile
+  third = _Traced()
+  loaded = compilation_cache.load_or_compile("prog", (), (x,), third.jitted.lower)
+  assert third.traces == 0
+  for compiled in (first, second, loaded):
+    assert (compiled(x)["y"] == 3).all()
+
+
+def test_store_is_off_with_the_cache_and_outside_t5lites_commands(tmp_path, jax_cache_settings):
+  x = jax.numpy.ones((3,))
+  compilation_cache.configure(str(tmp_path / "cache"), enabled=False)
+  assert compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower) is None
+  # JAX's cache turned on by hand, not by t5lite's commands: no store either.
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+  assert compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower) is None
+  assert not (tmp_path / "cache").exists() and not (tmp_path / "jax").exists()
+
+
+def test_partitioned_program_loads_from_the_store_and_jits_other_shapes(store):
+  from t5lite import partitioning
+  partitioner = partitioning.Partitioner(num_partitions=1)
+  x = jax.numpy.ones((2, 3))
+  for run in range(2):
+    traced = _Traced()
+    step = partitioner.partition(traced._fn, in_shardings=None, out_shardings=None,
+                                 program=("prog", 1))
+    assert (step(x)["y"] == 3).all()
+    assert traced.traces == (1 if run == 0 else 0)
+  assert len(_entries(store)) == 1
+  # A call the stored program was not compiled for goes to jit.
+  assert (step(jax.numpy.ones((5,)))["y"] == 3).all() and traced.traces == 1
+  assert (step(x)["y"] == 3).all()
+  compilation_cache.verify_loaded(wait=True)
