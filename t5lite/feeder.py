@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
@@ -180,6 +181,13 @@ class TrainData:
     self._make = functools.partial(datasets.get_dataset, cfg, *shard,
                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
     self._global_batch = cfg.batch_size
+    # The batches' features as the model declares them (what its feature
+    # converter makes of these lengths), known before the pipeline is built:
+    # the train step is loaded or compiled for them while it builds, and the
+    # pipeline is checked against them once built.
+    shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
+    self._features = {k: ((cfg.batch_size,) + tuple(shapes[k][1:]), np.dtype(types[k]))
+                      for k in shapes}
     self._partitioner = partitioner
     self._depth = prefetch_batches
     self._prefetcher: _Prefetcher | None = None
@@ -209,20 +217,31 @@ class TrainData:
 
   @functools.cached_property
   def shardings(self) -> dict[str, Any]:
-    """The global batches' shardings."""
+    """The global batches' shardings (no need to wait for the pipeline)."""
     return self._partitioner.batch_shardings(
-        {k: spec.shape for k, spec in self._element_spec().items()})
+        {k: shape for k, (shape, _) in self._features.items()})
 
-  def _element_spec(self) -> dict[str, Any]:
-    self._wait_for_build()
-    if self._ds is None:
-      self._build_at(0)
-    return self._ds.element_spec
+  def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batches' shapes, dtypes and shardings, without values."""
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.shardings[k])
+            for k, (shape, dtype) in self._features.items()}
 
   def global_shapes(self) -> dict[str, tuple[int, ...]]:
     """Shapes of the global batches this yields, e.g. for counting FLOPs."""
-    return {k: (self._global_batch,) + tuple(v.shape[1:])
-            for k, v in self._element_spec().items()}
+    return {k: shape for k, (shape, _) in self._features.items()}
+
+  def _check_features(self, element_spec: dict[str, Any]) -> None:
+    """The pipeline's batches are what the model declared, or a ValueError."""
+    found = {k: (tuple(v.shape[1:]), np.dtype(v.dtype.as_numpy_dtype))
+             for k, v in element_spec.items()}
+    declared = {k: (shape[1:], dtype) for k, (shape, dtype) in self._features.items()}
+    if found != declared:
+      describe = lambda f: ", ".join(  # noqa: E731
+          f"{k} {d.name}{list(s)}" for k, (s, d) in sorted(f.items()))
+      raise ValueError(
+          f"the training pipeline yields features [{describe(found)}] but the model "
+          f"declares [{describe(declared)}] for these feature lengths; make the task's "
+          "output features and the model's feature converter agree.")
 
   def skip(self, num_batches: int) -> None:
     """Starts after the first `num_batches` batches of the run (a restart with
@@ -258,6 +277,7 @@ class TrainData:
     options = tf.data.Options()
     options.experimental_optimization.noop_elimination = False
     ds = self._make().skip(num_batches).with_options(options)
+    self._check_features(ds.element_spec)
     self._ds = _leave_cores_to_the_step(ds)
     self._iterator = iter(self._ds)
     self._unused_at = num_batches

@@ -406,11 +406,22 @@ class Partitioned:
     # From the program store: None until the first call, False when off.
     self._compiled: Any = None if program is not None else False
 
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+  def prepare(self, *args: Any) -> None:
+    """Loads or compiles the stored program for calls like `args` now, not at
+    the first call (e.g. while the first batch is still being built); args
+    may be `jax.ShapeDtypeStruct`s with shardings. A no-op after the first
+    call or without a program name."""
     if self._compiled is None:
       name, *constants = self._program
-      self._compiled = (not kwargs and compilation_cache.load_or_compile(
-          name, tuple(constants), args, self.lower, self._like)) or False
+      self._compiled = compilation_cache.load_or_compile(
+          name, tuple(constants), args, self.lower, self._like) or False
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._compiled is None:
+      if kwargs:
+        self._compiled = False
+      else:
+        self.prepare(*args)
     if self._compiled:
       try:
         return self._compiled(*args, **kwargs)

@@ -38,7 +38,7 @@ from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceCheck, DivergenceLimits
 from t5lite.feeder import Background, TrainData
-from t5lite.partitioning import Partitioner
+from t5lite.partitioning import Partitioned, Partitioner
 from t5lite.periods import Periods, compute_periods
 from t5lite.run_config import RunConfig
 from t5lite.stops import Diverged, Interrupted, Preempted
@@ -92,7 +92,7 @@ def validate(run: RunConfig, trainer: Any) -> Periods:
 class _Loop:
   """The pieces the epoch loop drives."""
 
-  step_fn: Callable[..., Any]
+  step_fn: Partitioned
   data: TrainData
   checkpointer: ckpt_lib.Checkpointer
   writer: metrics_lib.SummaryWriter
@@ -253,6 +253,9 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
       # waits for the device, and the next batches are built meanwhile.
       stats_end = min(epoch_end, (step // loop.periods.stats + 1) * loop.periods.stats)
       loop.data.prefetch(stats_end - step)
+      # The step's program is loaded (or compiled) while the first batches
+      # are built, not after the first one arrives; later a no-op.
+      loop.step_fn.prepare(state, loop.data.abstract_batch())
       while step < stats_end:
         state, step_metrics = loop.step_fn(state, next(loop.data))
         loop.evaluators.start()  # after the first step's trace (see _Evaluators)

@@ -244,3 +244,35 @@ def test_partitioned_program_loads_from_the_store_and_jits_other_shapes(store):
   assert (step(jax.numpy.ones((5,)))["y"] == 3).all() and traced.traces == 1
   assert (step(x)["y"] == 3).all()
   compilation_cache.verify_loaded(wait=True)
+
+
+def test_train_step_program_prepared_from_the_abstract_batch_serves_the_real_batches(store):
+  """Training loads its step's program while the first batches are built,
+  from their shapes and shardings alone; the batches that then arrive must
+  have the same key and run that program, not fall back to jit."""
+  from t5lite import feeder, partitioning, testing
+  from t5lite.data import tasks
+  from test_data import _config
+  partitioner = partitioning.Partitioner(num_partitions=1)
+  data = feeder.TrainData(testing.tiny_encoder_decoder(), _config(tasks.SPAN_CORRUPTION, pack=True),
+                          partitioner, prefetch_batches=0)
+  abstract = data.abstract_batch()
+  batch = next(data)
+  assert (compilation_cache.program_key("p", (), (abstract,))
+          == compilation_cache.program_key("p", (), (batch,)))
+  traced = _Traced()
+
+  def tokens(batch):
+    traced._fn(0.0)  # counts the trace
+    return jax.tree.map(lambda x: x.sum(), batch)
+
+  for run in range(2):
+    traced.traces = 0
+    step = partitioner.partition(tokens, in_shardings=(data.shardings,), out_shardings=None,
+                                 program=("tokens",))
+    step.prepare(abstract)
+    assert traced.traces == (1 if run == 0 else 0)
+    for _ in range(2):
+      assert step(batch) == jax.tree.map(lambda x: x.sum(), batch)
+    assert step._compiled and traced.traces == (1 if run == 0 else 0)  # no jit fallback
+  compilation_cache.verify_loaded(wait=True)

@@ -402,3 +402,31 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
   # fast-forwards), not a crash.
   other = iter(datasets.get_dataset(cfg, 0, 1, seqio.EncDecFeatureConverter))
   assert not checkpointer.restore(5, abstract, other)[1]
+
+
+def test_training_batches_are_declared_before_the_pipeline_is_built_and_checked_after():
+  import numpy as np
+
+  from t5lite import feeder, partitioning, testing
+  cfg = _config(tasks.SPAN_CORRUPTION, pack=True)
+  model = testing.tiny_encoder_decoder()
+  data = feeder.TrainData(model, cfg, partitioning.Partitioner(), prefetch_batches=0)
+  abstract = data.abstract_batch()  # from the model's feature converter alone
+  assert data._ds is None
+  batch = next(data)
+  assert {k: (v.shape, v.dtype) for k, v in abstract.items()} == {
+      k: (v.shape, v.dtype) for k, v in batch.items()}
+  assert data.global_shapes() == {k: v.shape for k, v in batch.items()}
+
+  declare = model.input_shapes_and_types
+
+  def misdeclared(task_feature_lengths, pack):
+    shapes, types = declare(task_feature_lengths, pack)
+    return {**shapes, "encoder_input_tokens": (1, 7)}, {**types, "decoder_positions": np.int64}
+
+  model.input_shapes_and_types = misdeclared
+  wrong = feeder.TrainData(model, cfg, partitioning.Partitioner(), prefetch_batches=0)
+  with pytest.raises(ValueError, match=r"yields features \[.*encoder_input_tokens int32\[\d+\]"
+                                       r".*declares \[.*decoder_positions int64.*"
+                                       r"encoder_input_tokens int32\[7\]"):
+    next(wrong)
