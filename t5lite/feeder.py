@@ -198,6 +198,8 @@ class TrainData:
     self._iterator: Any = None
     self._unused_at: int | None = None  # position of a pipeline no batch was taken from
     self._building: Background | None = None
+    # Where the background build puts the pipeline, until a batch is taken.
+    self._planned: int | None = None
     if self.per_host:
       metrics_lib.log_line(
           f"Warning: train/DatasetConfig.shard_by_host=True: each of the {layout.num_shards} "
@@ -212,7 +214,7 @@ class TrainData:
     self._wait_for_build()
     if self._iterator is None:
       self._build_at(0)
-    self._unused_at = None  # whoever holds it may move it
+    self._unused_at = self._planned = None  # whoever holds it may move it
     return self._iterator
 
   @functools.cached_property
@@ -251,9 +253,14 @@ class TrainData:
     another order. Always through `skip`, even `skip(0)` (which tf.data must
     not optimise away), so a saved iterator restores into the same graph
     whatever position it was saved at. A pipeline already built at
-    `num_batches` that no batch was taken from is kept as it is.
+    `num_batches` that no batch was taken from is kept as it is, and one
+    being built there in the background is not waited for (a restart
+    restores its state meanwhile).
     """
+    if self._planned == num_batches:
+      return
     self._wait_for_build()
+    self._planned = None
     if self._unused_at != num_batches:
       self._build_at(num_batches)
 
@@ -264,6 +271,7 @@ class TrainData:
     meanwhile, which spends much of its time compiling or reading, not
     holding Python's interpreter lock."""
     self._wait_for_build()
+    self._planned = num_batches
     self._building = Background(lambda: self._build_at(num_batches), "t5lite-data-build")
 
   def _wait_for_build(self) -> None:

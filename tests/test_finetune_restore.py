@@ -10,6 +10,7 @@ a train step.
 
 import os
 import shutil
+import threading
 
 import gin
 import jax
@@ -270,3 +271,27 @@ def test_a_failed_background_build_is_raised_where_the_data_is_needed(monkeypatc
   # And again: nothing falls back to a pipeline at another position.
   with pytest.raises(ValueError, match="cannot build at 3"):
     next(data)
+
+
+def test_a_skip_to_where_the_background_build_goes_does_not_wait_for_it(monkeypatch):
+  data = feeder.TrainData(testing.tiny_encoder_decoder(), CFG, Partitioner(), prefetch_batches=0)
+  release, built = threading.Event(), []
+  build_at = data._build_at
+
+  def slow(num_batches):
+    assert release.wait(60)
+    built.append(num_batches)
+    build_at(num_batches)
+
+  monkeypatch.setattr(data, "_build_at", slow)
+  data.build_in_background(3)
+  data.skip(3)  # returns while the build is still running
+  assert built == []
+  release.set()
+  first = next(data)
+  assert built == [3]
+  # Once a batch is taken, a skip there again builds anew.
+  data.skip(3)
+  assert built == [3, 3]
+  again = next(data)
+  assert all((again[k] == first[k]).all() for k in first)
