@@ -128,6 +128,10 @@ class Background:
     except BaseException as e:  # raised again by result(), in the caller's thread
       self._error = e
 
+  def join(self) -> None:
+    """Waits for `fn` to end, whatever it returns or raises."""
+    self._thread.join()
+
   def result(self) -> Any:
     self._thread.join()
     if self._error is not None:
@@ -314,6 +318,15 @@ class TrainData:
     the iterator and that no step has used yet, in order."""
     prefetcher, self._prefetcher = self._prefetcher, None
     return prefetcher.stop() if prefetcher is not None else []
+
+  def close(self) -> None:
+    """Stops the prefetch thread and waits for a background build still
+    running: a process must not exit while TensorFlow builds on a daemon
+    thread (it aborts). What a failed build raised has already reached
+    whoever needed the data."""
+    self.stop_prefetch()
+    if self._building is not None:
+      self._building.join()
 
   def __next__(self) -> dict[str, jax.Array]:
     if self._prefetcher is not None and self._prefetcher.remaining:

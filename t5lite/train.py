@@ -484,7 +484,7 @@ def _close(loop: _Loop, failing: BaseException | None = None) -> None:
     checkpoints.CheckpointWriteError: the last write failed.
   """
   try:
-    loop.data.stop_prefetch()
+    loop.data.close()
   finally:
     try:
       loop.checkpointer.wait_until_finished()
@@ -534,6 +534,7 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   end = start + run.relative_steps if run.relative_steps is not None else run.total_steps
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
+    data.close()  # the pipeline a restart builds in the background, never used
     checkpointer.close()
     return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.

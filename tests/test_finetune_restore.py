@@ -11,6 +11,7 @@ a train step.
 import os
 import shutil
 import threading
+import time
 
 import gin
 import jax
@@ -295,3 +296,22 @@ def test_a_skip_to_where_the_background_build_goes_does_not_wait_for_it(monkeypa
   assert built == [3, 3]
   again = next(data)
   assert all((again[k] == first[k]).all() for k in first)
+
+
+def test_close_waits_for_a_background_build_still_running(monkeypatch):
+  """A run that ends without using its data (already at its target step)
+  must not exit while TensorFlow builds on the daemon thread."""
+  data = feeder.TrainData(testing.tiny_encoder_decoder(), CFG, Partitioner(), prefetch_batches=0)
+  built = []
+  build_at = data._build_at
+
+  def slow(num_batches):
+    time.sleep(0.5)
+    build_at(num_batches)
+    built.append(num_batches)
+
+  monkeypatch.setattr(data, "_build_at", slow)
+  data.build_in_background(2)
+  data.skip(2)
+  data.close()
+  assert built == [2]
