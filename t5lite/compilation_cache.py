@@ -342,8 +342,8 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
       out_tree = _TreeUnpickler(io.BytesIO(entry["out_tree"]), statics).load()
       compiled = serialize_executable.deserialize_and_load(entry["executable"], in_tree, out_tree)
     except Exception as error:  # noqa: BLE001  an unreadable entry is compiled again
-      print(f"t5lite: warning: {path} unreadable ({type(error).__name__}: "
-            f"{' '.join(str(error).split())[:200]}); compiling {name} instead.", flush=True)
+      print(f"t5lite: warning: {path} unreadable ({_brief(error)}); compiling {name} "
+            "instead.", flush=True)
       afresh = True  # and stored in its place
     else:
       _EVENTS[_STORE_HIT] += 1
@@ -374,9 +374,14 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
     if os.path.exists(seen):
       os.remove(seen)
   except Exception as error:  # noqa: BLE001  a run never fails for its cache
-    print(f"t5lite: warning: {name} not kept in the program store "
-          f"({type(error).__name__}: {' '.join(str(error).split())[:200]}).", flush=True)
+    print(f"t5lite: warning: {name} not kept in the program store ({_brief(error)}).",
+          flush=True)
   return compiled
+
+
+def _brief(error: BaseException) -> str:
+  """`error` on one short line, for a warning."""
+  return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
 
 def _write(path: str, content: bytes) -> None:

@@ -253,9 +253,9 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
       # waits for the device, and the next batches are built meanwhile.
       stats_end = min(epoch_end, (step // loop.periods.stats + 1) * loop.periods.stats)
       loop.data.prefetch(stats_end - step)
-      # The step's program is loaded (or compiled) while the first batches
-      # are built, not after the first one arrives; later a no-op.
-      loop.step_fn.prepare(state, loop.data.abstract_batch())
+      if step == start_step:  # the step's program, loaded (or compiled) while
+        # the first batches are built rather than after the first arrives
+        loop.step_fn.prepare(state, loop.data.abstract_batch())
       while step < stats_end:
         state, step_metrics = loop.step_fn(state, next(loop.data))
         loop.evaluators.start()  # after the first step's trace (see _Evaluators)

@@ -315,3 +315,26 @@ def test_close_waits_for_a_background_build_still_running(monkeypatch):
   data.skip(2)
   data.close()
   assert built == [2]
+
+
+def test_the_loop_prepares_its_step_once_before_it_takes_the_first_batch(monkeypatch, tmp_path):
+  """The train step's program is loaded (or compiled) while the prefetch
+  thread builds the first batches, not after the first one arrives."""
+  from t5lite import partitioning
+  events = []
+  prepare, take = partitioning.Partitioned.prepare, feeder.TrainData.__next__
+
+  def recording_prepare(self, *args):
+    if self._program and self._program[0] == "train_step":
+      events.append(("prepare", sorted(args[1])))
+    return prepare(self, *args)
+
+  def recording_next(self):
+    events.append("batch")
+    return take(self)
+
+  monkeypatch.setattr(partitioning.Partitioned, "prepare", recording_prepare)
+  monkeypatch.setattr(feeder.TrainData, "__next__", recording_next)
+  assert _train(monkeypatch, tmp_path / "run", total_steps=4)["step"] == 4
+  assert events[0][0] == "prepare" and "encoder_input_tokens" in events[0][1]
+  assert events[1:] == ["batch"] * 4
