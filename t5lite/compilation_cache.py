@@ -31,6 +31,13 @@ thread after the first step, and its lowered module is compared with the one
 it was stored with; a checkpoint waits for that check (`verify_loaded`), and
 a program that differs stops the run before anything it computed is saved
 (`StaleProgramError`), its entry removed so the next launch compiles it.
+A stored train step is read on a background thread while the state is
+initialised or restored (`preload`).
+
+The training data pipeline's traced tf.data graph is kept there too, under
+the same kind of key (`load_or_build_pipeline`): a warm launch reads it
+instead of tracing SeqIO's preprocessors and packing again, and the graph
+is checked the same way, built again in the background and compared.
 """
 
 from __future__ import annotations
@@ -44,9 +51,11 @@ import io
 import json
 import os
 import pickle
+import re
 import sys
 import sysconfig
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -59,12 +68,16 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 _STORE_HIT = "t5lite/program_store_hits"
 _FRESH_COMPILE = "t5lite/compiles_outside_jax_cache"
+_PRELOAD_USED = "t5lite/program_store_preloads_used"
+_PIPELINE_HIT = "t5lite/pipeline_store_hits"
 _EVENTS: collections.Counter = collections.Counter()
 PROGRAMS_SUBDIR = "t5lite-programs"
 # Bumped when the entries' layout changes: older entries are then never read.
 _STORE_FORMAT = 1
-# The libraries whose code ends up in a program; their versions are in its key.
-_DISTRIBUTIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes", "gin-config")
+# The libraries whose code ends up in a program or a data pipeline; their
+# versions are in every key.
+_DISTRIBUTIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes", "gin-config",
+                  "tensorflow", "tensorflow-text", "seqio", "sentencepiece")
 
 
 def default_directory() -> str:
@@ -75,16 +88,19 @@ def default_directory() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheUse:
-  """How the programs compiled so far were obtained."""
+  """How the programs compiled so far, and the training pipeline, were obtained."""
   directory: str | None
   loaded: int
   compiled: int
+  pipelines_loaded: int = 0
 
   def describe(self) -> str:
     if self.directory is None:
       return "compilation cache off"
+    pipelines = (f", {self.pipelines_loaded} data pipeline(s) loaded"
+                 if self.pipelines_loaded else "")
     return (f"compilation cache {self.directory}: {self.loaded} program(s) loaded, "
-            f"{self.compiled} compiled")
+            f"{self.compiled} compiled{pipelines}")
 
 
 def configure(directory: str | None, enabled: bool = True) -> str | None:
@@ -142,7 +158,8 @@ def use() -> CacheUse:
     return CacheUse(None, 0, 0)
   hits = _EVENTS[_HIT_EVENT]
   return CacheUse(directory, hits + _EVENTS[_STORE_HIT],
-                  _EVENTS[_REQUEST_EVENT] - hits + _EVENTS[_FRESH_COMPILE])
+                  _EVENTS[_REQUEST_EVENT] - hits + _EVENTS[_FRESH_COMPILE],
+                  _EVENTS[_PIPELINE_HIT])
 
 
 # The program store's directory: set by `configure` (t5lite's commands, whose
@@ -229,10 +246,17 @@ def program_key(name: str, constants: tuple, args: Any) -> str:
     args: the positional arguments of the call (arrays).
   """
   leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+  return _key(name, constants, [(jax.tree_util.keystr(path), str(jax.typeof(x)),
+                                 repr(x.sharding), getattr(x, "committed", True))
+                                for path, x in leaves])
+
+
+def _key(name: str, constants: tuple, arguments: list) -> str:
+  """The store key of entry `name` with these constants and arguments in
+  this process: everything of the run that can change what it builds."""
   described = {
       "format": _STORE_FORMAT, "name": name, "constants": repr(constants),
-      "arguments": [(jax.tree_util.keystr(path), str(jax.typeof(x)), repr(x.sharding),
-                     getattr(x, "committed", True)) for path, x in leaves],
+      "arguments": arguments,
       "python": sys.version, "libraries": _versions(), "code": _code_digest(),
       "gin": _gin_config(),
       "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
@@ -298,16 +322,58 @@ def _module_digest(lowered: Any) -> str:
 
 @dataclasses.dataclass
 class _Loaded:
-  """A program loaded from the store, to be checked against this code."""
-  name: str
+  """An entry loaded from the store, to be checked against this code."""
+  what: str  # "the train_step program", "the training pipeline"
   path: str
   digest: str
-  lower: Callable[[], Any]
+  current: Callable[[], str]  # the digest of what this code and config build now
   check: Any = None  # the background check, once started
 
 
 _LOADED: list[_Loaded] = []
 _LOADED_LOCK = threading.Lock()
+# Entries being read ahead of their first use (`preload`): name -> (path, reading).
+_PRELOADS: dict[str, tuple[str, Any]] = {}
+
+
+def _entry_path(directory: str, name: str, key: str) -> str:
+  return os.path.join(directory, f"{name}-{key[:40]}.program")
+
+
+def _read_entry(path: str, args: tuple, like: Any) -> tuple[Any, str]:
+  """The executable stored at `path` for calls like `args`, loaded onto the
+  devices, and the digest of the module it was compiled from."""
+  from jax.experimental import serialize_executable
+  with open(path, "rb") as f:
+    entry = pickle.load(f)
+  out_tree = _TreeUnpickler(io.BytesIO(entry["out_tree"]), _static_objects((args, like))).load()
+  in_tree = jax.tree.structure((args, {}))
+  return serialize_executable.deserialize_and_load(entry["executable"], in_tree,
+                                                   out_tree), entry["module"]
+
+
+def preload(name: str, constants: tuple, args: tuple, like: Any = None) -> None:
+  """Starts reading program `name` for calls like `args` from the store on a
+  background thread, if the store holds it; `load_or_compile` with the same
+  key then takes it instead of reading it. Loading an executable spends most
+  of its time outside Python's interpreter lock, so a launch loads its train
+  step while it loads and runs the state's initialisation. Nothing is traced
+  or compiled here; a missing entry is left to `load_or_compile`.
+
+  Args:
+    name / constants / like: see `load_or_compile`.
+    args: the first call's arguments, or `jax.ShapeDtypeStruct`s with their
+      shardings (an argument of another shape, dtype or sharding has another
+      key, and the entry read ahead is then dropped unused).
+  """
+  from t5lite.feeder import Background
+  directory = store_directory()
+  if directory is None:
+    return
+  path = _entry_path(directory, name, program_key(name, constants, args))
+  if os.path.exists(path):
+    _PRELOADS[name] = (path, Background(functools.partial(_read_entry, path, args, like),
+                                        f"t5lite-load-{name}"))
 
 
 def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..., Any],
@@ -329,18 +395,17 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
   if directory is None:
     return None
   from jax.experimental import serialize_executable
-  key = program_key(name, constants, args)
-  path = os.path.join(directory, f"{name}-{key[:40]}.program")
-  statics = _static_objects((args, like))
-  in_tree = jax.tree.structure((args, {}))
+  path = _entry_path(directory, name, program_key(name, constants, args))
+  read_ahead, reading = _PRELOADS.pop(name, (None, None))
   seen = f"{path}.seen"
   afresh = os.path.exists(seen)
   if os.path.exists(path):
     try:
-      with open(path, "rb") as f:
-        entry = pickle.load(f)
-      out_tree = _TreeUnpickler(io.BytesIO(entry["out_tree"]), statics).load()
-      compiled = serialize_executable.deserialize_and_load(entry["executable"], in_tree, out_tree)
+      if read_ahead == path:
+        compiled, module = reading.result()
+        _EVENTS[_PRELOAD_USED] += 1
+      else:
+        compiled, module = _read_entry(path, args, like)
     except Exception as error:  # noqa: BLE001  an unreadable entry is compiled again
       print(f"t5lite: warning: {path} unreadable ({_brief(error)}); compiling {name} "
             "instead.", flush=True)
@@ -349,7 +414,8 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
       _EVENTS[_STORE_HIT] += 1
       abstract = jax.tree.map(_abstract, args)
       with _LOADED_LOCK:
-        _LOADED.append(_Loaded(name, path, entry["module"], lambda: lower(*abstract)))
+        _LOADED.append(_Loaded(f"the {name} program", path, module,
+                               lambda: _module_digest(lower(*abstract))))
       return compiled
   lowered = lower(*args)
   if afresh:
@@ -367,7 +433,7 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
   try:
     executable, _, out_tree = serialize_executable.serialize(compiled)
     trees = io.BytesIO()
-    _TreePickler(trees, statics).dump(out_tree)
+    _TreePickler(trees, _static_objects((args, like))).dump(out_tree)
     entry = {"executable": executable, "out_tree": trees.getvalue(),
              "module": _module_digest(lowered)}
     _write(path, pickle.dumps(entry))
@@ -409,15 +475,127 @@ def _compile_afresh(lowered: Any) -> Any:
     jax_cache.reset_cache()
 
 
+def load_or_build_pipeline(name: str, build: Callable[[], Any], constants: tuple) -> Any:
+  """The tf.data pipeline `build()` returns, read from the store when it
+  holds one under this run's key, else built and stored.
+
+  Tracing a SeqIO pipeline (its preprocessors, packing, AutoGraph) takes
+  seconds of Python; the graph it produces is read back in milliseconds,
+  and gives the same batches and the same iterator checkpoints (both are
+  functions of the graph alone). The key is that of the programs
+  (`program_key`): the gin config, the code, the library versions. What the
+  graph holds that the key cannot see (a vocabulary file or the list of a
+  task's data files, both read while tracing) is checked as a loaded
+  program is: the pipeline is built again on a background thread after the
+  first step (`verify_loaded`), and if its graph differs the run stops
+  before anything is saved. A pipeline whose graph cannot be serialized
+  (one holding Python functions, `tf.py_function`) is built each launch.
+
+  Args:
+    name: the pipeline ("train").
+    build: returns the pipeline (a `tf.data.Dataset` of dicts of tensors).
+    constants: what `build` depends on that the gin config may not give
+      (the dataset config, the data shard).
+  """
+  directory = store_directory()
+  if directory is None:
+    return build()
+  import tensorflow as tf  # the pipeline is tf.data already; imported where used
+  path = os.path.join(directory, f"{name}-{_key(name, constants, [])[:40]}.pipeline")
+  if os.path.exists(path):
+    try:
+      with open(path, "rb") as f:
+        entry = pickle.load(f)
+      structure = {k: tf.TensorSpec(shape, tf.as_dtype(dtype))
+                   for k, (shape, dtype) in entry["element_spec"].items()}
+      ds = tf.data.experimental.from_variant(
+          tf.raw_ops.DatasetFromGraph(graph_def=_own_seed_generators(entry["graph"])),
+          structure=structure)
+    except Exception as error:  # noqa: BLE001  an unreadable entry is built again
+      print(f"t5lite: warning: {path} unreadable ({_brief(error)}); building {name} "
+            "instead.", flush=True)
+    else:
+      _EVENTS[_PIPELINE_HIT] += 1
+      with _LOADED_LOCK:  # one check per entry, however often it is loaded
+        if all(loaded.path != path for loaded in _LOADED):
+          _LOADED.append(_Loaded(f"the {name} pipeline", path, entry["digest"],
+                                 functools.partial(_built_digest, build)))
+      return ds
+  ds = build()
+  spec = ds.element_spec
+  if isinstance(spec, dict) and all(isinstance(v, tf.TensorSpec) for v in spec.values()):
+    try:
+      graph = _serialized(ds)
+    except Exception:  # noqa: BLE001  not serializable: built each launch, as without a store
+      return ds
+    _write(path, pickle.dumps({
+        "graph": graph, "digest": _pipeline_digest(graph),
+        "element_spec": {k: (v.shape.as_list(), v.dtype.name) for k, v in spec.items()}}))
+  return ds
+
+
+def _built_digest(build: Callable[[], Any]) -> str:
+  """The digest of the pipeline `build` makes now."""
+  return _pipeline_digest(_serialized(build()))
+
+
+def _own_seed_generators(graph: bytes) -> bytes:
+  """`graph` with the seed generators of its shuffles renamed for one load.
+
+  A serialized shuffle names its generator's state, and every dataset made
+  from that graph in a process would share it (and so draw another order
+  each, where a fresh build draws the first order again); under a name of
+  its own, each load starts from the seeds, as a fresh build does."""
+  from tensorflow.core.framework import graph_pb2
+  graph_def = graph_pb2.GraphDef.FromString(graph)
+  suffix = f"/t5lite-load-{uuid.uuid4().hex}"
+  for node in (*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)):
+    if node.op == "Const" and "value" in node.attr:
+      for handle in node.attr["value"].tensor.resource_handle_val:
+        if "SeedGenerator" in handle.maybe_type_name:
+          handle.name += suffix
+  return graph_def.SerializeToString()
+
+
+def _serialized(ds: Any) -> bytes:
+  """`ds`'s graph; fails for a pipeline that depends on state outside it."""
+  import tensorflow as tf
+  return ds._as_serialized_graph(  # noqa: SLF001  tf.data's own serialization, no public API
+      external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL).numpy()
+
+
+# Numbers TensorFlow appends to names (of functions, nodes, datasets): they
+# count what the process built before, not what it builds.
+_NAME_NUMBER = re.compile(r"_\d+")
+
+
+def _pipeline_digest(graph: bytes) -> str:
+  """A digest of a pipeline's graph that two processes building it from the
+  same code and inputs agree on, whatever they built before: the sorted
+  operations of the graph and of its functions, each with its attributes
+  (constants, file names, vocabularies, lengths, seeds; protobuf's text form
+  sorts them), without node names, their numbering and the dataset names
+  of the `metadata` attributes."""
+  from tensorflow.core.framework import graph_pb2
+  graph_def = graph_pb2.GraphDef.FromString(graph)
+  described = []
+  for node in (*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)):
+    node.attr.pop("metadata", None)
+    node.ClearField("name")
+    node.ClearField("input")
+    described.append(_NAME_NUMBER.sub("", str(node)))
+  return hashlib.sha256("\n".join(sorted(described)).encode()).hexdigest()
+
+
 def _check(loaded: _Loaded) -> None:
-  if _module_digest(loaded.lower()) != loaded.digest:
+  if loaded.current() != loaded.digest:
     try:
       os.remove(loaded.path)
     except OSError:
       pass
     raise StaleProgramError(
-        f"the {loaded.name} program loaded from {loaded.path} is not what this code and "
-        "config compile (something outside its key changed); the entry is removed and "
+        f"{loaded.what} loaded from {loaded.path} is not what this code and "
+        "config build (something outside its key changed); the entry is removed and "
         "nothing this launch computed was saved: run the same command again.")
 
 
@@ -438,7 +616,7 @@ def verify_loaded(wait: bool) -> None:
     for loaded in pending:
       if loaded.check is None:
         loaded.check = Background(functools.partial(_check, loaded),
-                                  f"t5lite-check-{loaded.name}")
+                                  f"t5lite-check-{os.path.basename(loaded.path)}")
   if wait:
     for loaded in pending:
       try:

@@ -156,12 +156,13 @@ class InferenceEvaluator:
     if self._primary:
       os.makedirs(self._dir, exist_ok=True)
     converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
-    self._evaluator = seqio.Evaluator(
-        mixture_or_task_name=cfg.mixture_or_task_name, feature_converter=converter,
-        eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
-        sequence_length=dict(cfg.task_feature_lengths), num_examples=num_examples,
-        shuffle=False, logger_cls=(seqio.JSONLogger,) if self._primary else (),
-        log_dir=self._dir if self._primary else None, async_compute_metrics=False)
+    with datasets.TRACING:  # it traces (and caches) the eval split's pipeline
+      self._evaluator = seqio.Evaluator(
+          mixture_or_task_name=cfg.mixture_or_task_name, feature_converter=converter,
+          eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
+          sequence_length=dict(cfg.task_feature_lengths), num_examples=num_examples,
+          shuffle=False, logger_cls=(seqio.JSONLogger,) if self._primary else (),
+          log_dir=self._dir if self._primary else None, async_compute_metrics=False)
     self._runner = BatchRunner(partitioner, cfg.batch_size, params_shardings)
     self._writers: dict[str, metrics_lib.SummaryWriter] = {}
 

@@ -416,6 +416,14 @@ class Partitioned:
       self._compiled = compilation_cache.load_or_compile(
           name, tuple(constants), args, self.lower, self._like) or False
 
+  def preload(self, *args: Any) -> None:
+    """Starts reading the stored program for calls like `args` (which may be
+    `jax.ShapeDtypeStruct`s with shardings) on a background thread, for
+    `prepare` or the first call to take (see `compilation_cache.preload`)."""
+    if self._compiled is None:
+      name, *constants = self._program
+      compilation_cache.preload(name, tuple(constants), args, self._like)
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     if self._compiled is None:
       if kwargs:

@@ -446,10 +446,9 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
 
 
 def _build_loop(run: RunConfig, trainer: Any, periods: Periods, data: TrainData,
-                specs: state_init.StateSpecs, checkpointer: ckpt_lib.Checkpointer, start: int,
-                end: int) -> _Loop:
-  """The compiled step, the evaluators and the writers around the data."""
-  step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
+                specs: state_init.StateSpecs, checkpointer: ckpt_lib.Checkpointer,
+                step_fn: Partitioned, start: int, end: int) -> _Loop:
+  """The evaluators and the writers around the step and the data."""
   build_eval = build_infer = None
   if run.train_eval_dataset_cfg is not None and periods.eval:
     build_eval = functools.partial(
@@ -527,6 +526,10 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   if restore is not None and interop.checkpoint_format(restore.path):
     interop.check_fits(restore.path, specs.abstract.params)  # reads metadata only
   checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)
+  # A stored train step is read while the state is initialised or restored.
+  step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
+  step_fn.preload(ckpt_lib.abstract_with_shardings(specs.abstract, specs.shardings),
+                  data.abstract_batch())
   state, start = state_init.init_or_restore(
       specs=specs, init_fn=init_fn, partitioner=partitioner, checkpointer=checkpointer,
       restore_cfg=restore, seed=run.seed, data=data, resume_step=run.resume_step,
@@ -543,7 +546,7 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
     state_init.write_model_info(os.path.join(run.model_dir, "model-info.txt"), specs,
                                 partitioner)
 
-  loop = _build_loop(run, trainer, periods, data, specs, checkpointer, start, end)
+  loop = _build_loop(run, trainer, periods, data, specs, checkpointer, step_fn, start, end)
   metrics_lib.log_line(report.banner(model=model, specs=specs, partitioner=partitioner,
                                      train_cfg=train_cfg, periods=periods, start=start, end=end,
                                      checkpointer=checkpointer))

@@ -276,3 +276,173 @@ def test_train_step_program_prepared_from_the_abstract_batch_serves_the_real_bat
       assert step(batch) == jax.tree.map(lambda x: x.sum(), batch)
     assert step._compiled and traced.traces == (1 if run == 0 else 0)  # no jit fallback
   compilation_cache.verify_loaded(wait=True)
+
+
+def test_train_step_is_read_ahead_from_the_abstract_state(store):
+  """Training starts reading its stored step while it initialises the state,
+  from the state's shapes and shardings alone; the real state then has the
+  same key and takes that executable instead of reading it again."""
+  from t5lite import partitioning
+  partitioner = partitioning.Partitioner(num_partitions=1)
+  x = jax.device_put(jax.numpy.ones((2, 3)), jax.devices()[0])  # placed, as a state is
+  abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  for run in range(2):
+    traced = _Traced()
+    step = partitioner.partition(traced._fn, in_shardings=None, out_shardings=None,
+                                 program=("prog", 1))
+    used = compilation_cache._EVENTS[compilation_cache._PRELOAD_USED]
+    step.preload(abstract)  # nothing stored yet on the first run: nothing read
+    assert (step(x)["y"] == 3).all() and traced.traces == (1 if run == 0 else 0)
+    assert compilation_cache._EVENTS[compilation_cache._PRELOAD_USED] == used + run
+  # Read ahead for other arguments (another key): dropped, the call still right.
+  step = partitioner.partition(_Traced()._fn, in_shardings=None, out_shardings=None,
+                               program=("prog", 1))
+  used = compilation_cache._EVENTS[compilation_cache._PRELOAD_USED]
+  step.preload(abstract)
+  assert (step(jax.numpy.ones((2, 3), "int32") * 2)["y"] == 5).all()
+  assert compilation_cache._EVENTS[compilation_cache._PRELOAD_USED] == used
+  compilation_cache.verify_loaded(wait=True)
+
+
+# The pipeline store: the training pipeline's traced graph.
+
+
+def _batches(ds, count, iterator=None):
+  import numpy as np
+  iterator = iterator if iterator is not None else iter(ds)
+  return [{k: np.asarray(v) for k, v in next(iterator).items()} for _ in range(count)]
+
+
+def _same(a, b):
+  import numpy as np
+  return len(a) == len(b) and all(
+      x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def _build_counting(cfg):
+  """`build` for the pipeline store, and the list its calls are counted in."""
+  import seqio
+  from t5lite.data import datasets
+  calls = []
+
+  def build():
+    calls.append(1)
+    return datasets.get_dataset(cfg, 0, 1, seqio.EncDecFeatureConverter, num_epochs=None)
+  return build, calls
+
+
+def test_pipeline_store_loads_the_graph_with_the_same_batches_and_iterator_checkpoints(
+    store, tmp_path):
+  import tensorflow as tf
+  from t5lite.data import tasks
+  from test_data import _config
+  cfg = _config(tasks.SPAN_CORRUPTION, pack=True, shuffle=True)
+  build, calls = _build_counting(cfg)
+  built = compilation_cache.load_or_build_pipeline("train", build, (cfg,))
+  assert len(calls) == 1 and len(_entries(store, ".pipeline")) == 1
+  expected = _batches(built, 5)
+  before = compilation_cache.use().pipelines_loaded
+  loaded = compilation_cache.load_or_build_pipeline("train", build, (cfg,))
+  assert len(calls) == 1  # read from the store, not traced
+  assert compilation_cache.use().pipelines_loaded == before + 1
+  assert "1 data pipeline(s) loaded" in compilation_cache.use().describe()
+  assert loaded.element_spec == built.element_spec
+  assert _same(_batches(loaded, 5), expected)
+  # Each load starts from the seeds, as a fresh build does (a second
+  # iterator over one pipeline reshuffles).
+  assert _same(_batches(compilation_cache.load_or_build_pipeline("train", build, (cfg,)), 5),
+               expected)
+  # An iterator saved from either restores into the other, at its position.
+  load = lambda: compilation_cache.load_or_build_pipeline("train", build, (cfg,))  # noqa: E731
+  for number, (source, target) in enumerate(((build(), load()), (load(), build()))):
+    iterator = iter(source)
+    _batches(source, 2, iterator)
+    path = tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / f"iterator-{number}"))
+    restored = iter(target)
+    tf.train.Checkpoint(iterator=restored).read(path).assert_consumed()
+    assert _same(_batches(target, 3, restored), expected[2:])
+  calls.clear()
+  compilation_cache.verify_loaded(wait=True)  # built again, the same graph: it passes
+  assert len(calls) == 1  # once, however often it was loaded
+  # Another seed is another key: built and stored beside the first.
+  other = _config(tasks.SPAN_CORRUPTION, pack=True, shuffle=True, seed=1)
+  compilation_cache.load_or_build_pipeline("train", _build_counting(other)[0], (other,))
+  assert len(_entries(store, ".pipeline")) == 2
+
+
+def test_a_stale_pipeline_is_refused_and_its_entry_removed(store):
+  """What the key cannot see (here a seed left out of it, as a vocabulary
+  file replaced under the same name would be) is caught when the loaded
+  pipeline's graph is compared with the one the code builds now."""
+  from t5lite.data import tasks
+  from test_data import _config
+  first = _config(tasks.SPAN_CORRUPTION, pack=True, shuffle=True, seed=0)
+  compilation_cache.load_or_build_pipeline("train", _build_counting(first)[0], ())
+  changed = _config(tasks.SPAN_CORRUPTION, pack=True, shuffle=True, seed=1)
+  build, calls = _build_counting(changed)
+  compilation_cache.load_or_build_pipeline("train", build, ())
+  assert calls == []  # the old graph was loaded, which the check must refuse
+  with pytest.raises(compilation_cache.StaleProgramError,
+                     match="the train pipeline loaded from .*entry is removed"):
+    compilation_cache.verify_loaded(wait=True)
+  assert _entries(store, ".pipeline") == []
+
+
+def test_pipeline_store_builds_past_an_unreadable_entry_and_skips_unserializable_ones(
+    store, capsys):
+  import tensorflow as tf
+  from t5lite.data import tasks
+  from test_data import _config
+  cfg = _config(tasks.ARITHMETIC, pack=True)
+  build, calls = _build_counting(cfg)
+  expected = _batches(compilation_cache.load_or_build_pipeline("train", build, ()), 2)
+  (entry,) = store.glob("*.pipeline")
+  entry.write_bytes(b"not a pipeline")
+  rebuilt = compilation_cache.load_or_build_pipeline("train", build, ())
+  assert "unreadable" in capsys.readouterr().out and len(calls) == 2
+  assert _same(_batches(rebuilt, 2), expected)
+  assert entry.read_bytes() != b"not a pipeline"  # replaced by the rebuilt graph
+  assert _same(_batches(compilation_cache.load_or_build_pipeline("train", build, ()), 2),
+               expected)
+  assert len(calls) == 2
+
+  def with_python():  # a graph that calls back into Python cannot be stored
+    ds = tf.data.Dataset.range(3)
+    return ds.map(lambda x: {"x": tf.py_function(lambda v: v + 1, [x], tf.int64)})
+  for _ in range(2):
+    ds = compilation_cache.load_or_build_pipeline("python", with_python, ())
+    assert [int(b["x"]) for b in ds] == [1, 2, 3]
+  assert not list(store.glob("python-*"))
+  compilation_cache.verify_loaded(wait=True)
+
+
+def test_pipeline_store_is_off_with_the_cache(tmp_path, jax_cache_settings):
+  import tensorflow as tf
+  compilation_cache.configure(str(tmp_path / "cache"), enabled=False)
+  calls = []
+
+  def build():
+    calls.append(1)
+    return tf.data.Dataset.range(2).map(lambda x: {"x": x})
+  for _ in range(2):
+    compilation_cache.load_or_build_pipeline("train", build, ())
+  assert len(calls) == 2 and not (tmp_path / "cache").exists()
+
+
+def test_train_data_keys_its_pipeline_on_where_seqio_reads(monkeypatch):
+  """--tfds_data_dir and --seqio_additional_cache_dirs are flags, not gin
+  bindings: they are in the stored pipeline's key through the data's own
+  description."""
+  import seqio
+  from t5lite import feeder, partitioning, testing
+  from t5lite.data import tasks
+  from test_data import _config
+
+  def describe():
+    return feeder.TrainData(testing.tiny_encoder_decoder(), _config(tasks.ARITHMETIC),
+                            partitioning.Partitioner(num_partitions=1))._describe
+  plain = describe()
+  monkeypatch.setattr(seqio.utils, "_TFDS_DATA_DIR_OVERRIDE", "/data/tfds")
+  with_tfds = describe()
+  monkeypatch.setattr(seqio.utils, "_GLOBAL_CACHE_DIRECTORIES", ["/data/cache"])
+  assert len({repr(plain), repr(with_tfds), repr(describe())}) == 3

@@ -14,6 +14,7 @@ import importlib
 import math
 import os
 import sys
+import threading
 from collections.abc import Mapping
 
 import seqio
@@ -22,6 +23,14 @@ import tensorflow as tf
 from t5lite.data import preprocessors
 # Importing tasks registers the embedded tasks.
 from t5lite.data import tasks
+
+# SeqIO hands its random preprocessors their seeds from one process-wide
+# counter while it traces a pipeline (`seqio.utils.map_seed_manager`), so two
+# pipelines traced at once on two threads would take each other's seeds.
+# t5lite traces pipelines on background threads (the training data, the
+# evaluators, the check of a pipeline loaded from the store): each such
+# trace holds this lock.
+TRACING = threading.RLock()
 
 # Longest list of registered names an error message prints in full.
 _MAX_LISTED_NAMES = 40
@@ -282,6 +291,14 @@ def validate_dataset_config(cfg: DatasetConfig, num_shards: int = 1) -> None:
   _check_span_corruption(provider, cfg.task_feature_lengths)
 
 
+def read_locations() -> tuple:
+  """Where SeqIO reads beyond what a task defines: the TFDS data directory
+  (t5lite's --tfds_data_dir, else $TFDS_DATA_DIR) and the extra cache
+  directories (--seqio_additional_cache_dirs)."""
+  return (getattr(seqio.utils, "_TFDS_DATA_DIR_OVERRIDE", None), os.environ.get("TFDS_DATA_DIR"),
+          tuple(seqio.utils.get_global_cache_dirs()))
+
+
 def _as_int32(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
   """Casts integer and bool features to int32, the dtype the models expect."""
   return {
@@ -320,20 +337,22 @@ def get_dataset(
   if not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
     raise ValueError(f"shard_id must be in [0, {num_shards}), got {shard_id!r}.")
   provider = get_mixture_or_task(cfg.mixture_or_task_name, cfg.module)
-  ds = provider.get_dataset(
-      sequence_length=dict(cfg.task_feature_lengths),
-      split=cfg.split,
-      use_cached=cfg.use_cached,
-      shuffle=cfg.shuffle,
-      seed=cfg.seed,
-      shard_info=seqio.ShardInfo(index=shard_id, num_shards=num_shards),
-      num_epochs=num_epochs,
-      trim_output_features=cfg.trim_output_features,
-      try_in_mem_cache=cfg.use_memory_cache,
-  )
-  ds = feature_converter_cls(pack=cfg.pack)(ds, dict(cfg.task_feature_lengths))
-  ds = ds.map(_as_int32, num_parallel_calls=tf.data.AUTOTUNE)
-  return ds.batch(cfg.batch_size // num_shards, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  with TRACING:
+    ds = provider.get_dataset(
+        sequence_length=dict(cfg.task_feature_lengths),
+        split=cfg.split,
+        use_cached=cfg.use_cached,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        shard_info=seqio.ShardInfo(index=shard_id, num_shards=num_shards),
+        num_epochs=num_epochs,
+        trim_output_features=cfg.trim_output_features,
+        try_in_mem_cache=cfg.use_memory_cache,
+    )
+    ds = feature_converter_cls(pack=cfg.pack)(ds, dict(cfg.task_feature_lengths))
+    ds = ds.map(_as_int32, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(cfg.batch_size // num_shards, drop_remainder=True).prefetch(
+        tf.data.AUTOTUNE)
 
 
 def get_vocabulary(cfg: DatasetConfig) -> tuple[seqio.Vocabulary, seqio.Vocabulary]:
