@@ -15,7 +15,8 @@ A launch's first step ends when that step's summary is written, so
 launch-to-first-step is the event's wall time minus the time the process
 was started. The report gives the median of each (all runs in brackets),
 warm and restart over cold, and the programs each launch loaded from the
-cache and compiled (the summary line `t5lite-train` prints). The JSON lands
+cache and compiled, and whether it loaded its training pipeline (the
+summary line `t5lite-train` prints). The JSON lands
 in benchmarks/results/startup-<time>.json.
 
   .venv/bin/python benchmarks/startup.py
@@ -44,7 +45,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
 CONFIGS = ("gin/pretrain_dense.gin", "gin/pretrain_moe.gin", "gin/finetune_dense.gin")
-_CACHE_USE = re.compile(r"compilation cache \S+: (\d+) program\(s\) loaded, (\d+) compiled")
+_CACHE_USE = re.compile(r"compilation cache \S+: (\d+) program\(s\) loaded, (\d+) compiled"
+                        r"(?:, (\d+) data pipeline\(s\) loaded)?")
 
 
 KINDS = ("cold", "warm", "restart")
@@ -75,7 +77,7 @@ def launch(gin_file: str, model_dir: str, cache: str, extra: list[str],
     raise SystemExit(f"no compilation cache line in the output:\n{done.stdout[-2000:]}")
   return {"first_step_seconds": first_step_wall_time(model_dir, first_step) - started,
           "total_seconds": ended - started, "loaded": int(use.group(1)),
-          "compiled": int(use.group(2))}
+          "compiled": int(use.group(2)), "pipelines_loaded": int(use.group(3) or 0)}
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -121,11 +123,13 @@ def main() -> None:
   for gin_file, r in results.items():
     text = lambda s: f"{s['median']:.1f} s (" + ", ".join(f"{x:.1f}" for x in s["all"]) + ")"  # noqa: E731
     programs = lambda kind: "/".join(  # noqa: E731
-        f"{x['loaded']}+{x['compiled']}" for x in r["runs"][kind])
+        f"{x['loaded']}+{x['compiled']}" + ("p" * x.get("pipelines_loaded", 0))
+        for x in r["runs"][kind])
     seconds = r["first_step_seconds"]
     print(f"  {gin_file}: cold {text(seconds['cold'])}, warm {text(seconds['warm'])} "
           f"x{r['warm_over_cold']:.2f}, restart {text(seconds['restart'])} "
-          f"x{r['restart_over_cold']:.2f}; programs loaded+compiled "
+          f"x{r['restart_over_cold']:.2f}; programs loaded+compiled (p: the training "
+          "pipeline loaded) "
           + ", ".join(f"{kind} {programs(kind)}" for kind in KINDS))
   print(f"results: {output}")
 

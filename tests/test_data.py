@@ -5,6 +5,7 @@ import importlib
 import itertools
 import re
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -187,6 +188,72 @@ def test_sort_splits_are_disjoint_and_pinned():
                             ("sort: 3 5 1 4 8 0 8", "0 1 3 4 5 8 8"))
   with pytest.raises(ValueError, match="Unknown sort split 'test'"):
     tasks.sort_examples("test")
+
+
+def _reference_arithmetic(split):
+  """The plain per-problem loop: the first distinct problems of the split, in order."""
+  wanted, seen, start = tasks.ARITHMETIC_SIZES[split], {}, 0
+  while len(seen) < wanted:
+    op, a, b = tasks._problems(np.arange(start, start + 1000, dtype=np.uint64))
+    validation = tasks._is_validation(op, a, b)
+    for o, x, y, v in zip(op.tolist(), a.tolist(), b.tolist(), validation.tolist()):
+      if v == (split == "validation") and len(seen) < wanted:
+        seen.setdefault((o, x, y), None)
+    start += 1000
+  return tuple((f"add: {x} + {y}", str(x + y)) if o == 0 else (f"sub: {x} - {y}", str(x - y))
+               for o, x, y in seen)
+
+
+def _reference_sort(split):
+  """The plain per-list loop: the first distinct digit lists of the split, in order."""
+  wanted, seen, start = tasks.SORT_SIZES[split], {}, 0
+  while len(seen) < wanted:
+    digits, lengths = tasks._digit_lists(np.arange(start, start + 1000, dtype=np.uint64))
+    lists = [tuple(row[:length]) for row, length in zip(digits.tolist(), lengths.tolist())]
+    codes = np.array([sum((d + 1) * 11**i for i, d in enumerate(digit_list))
+                      for digit_list in lists], dtype=np.uint64)
+    validation = tasks._mix64(codes ^ tasks._SPLIT_SALT) % np.uint64(50) == 0
+    for digit_list, v in zip(lists, validation.tolist()):
+      if v == (split == "validation") and len(seen) < wanted:
+        seen.setdefault(digit_list, None)
+    start += 1000
+  return tuple(("sort: " + " ".join(str(d) for d in digit_list),
+                " ".join(str(d) for d in sorted(digit_list))) for digit_list in seen)
+
+
+def _clear_generated_caches():
+  for fn in (tasks.sort_examples, tasks.arithmetic_examples, tasks._sort_arrays,
+             tasks._arithmetic_arrays):
+    fn.cache_clear()
+
+
+@pytest.fixture
+def small_generated_splits(monkeypatch):
+  """Shrinks the generated splits; validation still needs more than one 65536-problem block."""
+  monkeypatch.setattr(tasks, "SORT_SIZES", {"train": 3000, "validation": 1500})
+  monkeypatch.setattr(tasks, "ARITHMETIC_SIZES", {"train": 3000, "validation": 1500})
+  _clear_generated_caches()
+  yield
+  _clear_generated_caches()
+
+
+@pytest.mark.parametrize("block_size", [1 << 16, 997])  # The result must not depend on it.
+@pytest.mark.parametrize("examples, dataset_fn, reference", [
+    (tasks.sort_examples, tasks._sort_dataset, _reference_sort),
+    (tasks.arithmetic_examples, tasks._arithmetic_dataset, _reference_arithmetic),
+], ids=["sort", "arithmetic"])
+def test_generated_examples_match_a_plain_loop(small_generated_splits, monkeypatch, block_size,
+                                               examples, dataset_fn, reference):
+  monkeypatch.setattr(tasks, "_BLOCK_SIZE", block_size)
+  for split in ("train", "validation"):
+    expected = reference(split)
+    assert len(expected) == {"train": 3000, "validation": 1500}[split]
+    got = examples(split)
+    assert type(got) is tuple and all(type(q) is str and type(a) is str for q, a in got)
+    assert got == expected
+    ds = dataset_fn(split, shuffle_files=False)
+    assert tuple((ex["inputs"].decode(), ex["targets"].decode())
+                 for ex in ds.as_numpy_iterator()) == expected
 
 
 def test_arithmetic_metric_and_postprocessing():
@@ -430,3 +497,27 @@ def test_training_batches_are_declared_before_the_pipeline_is_built_and_checked_
                                        r".*declares \[.*decoder_positions int64.*"
                                        r"encoder_input_tokens int32\[7\]"):
     next(wrong)
+
+
+def test_pipelines_traced_at_once_on_threads_give_the_batches_each_gives_alone():
+  """SeqIO seeds its random preprocessors (span corruption here) from one
+  process-wide counter while tracing; t5lite traces on background threads,
+  so without `datasets.TRACING` concurrent traces would swap seeds."""
+  train = _config(tasks.SPAN_CORRUPTION, pack=True, shuffle=True, seed=3)
+  held_out = _config(tasks.SPAN_CORRUPTION, pack=True, split="validation", seed=42)
+
+  def first_batch(cfg):
+    ds = datasets.get_dataset(cfg, 0, 1, seqio.EncDecFeatureConverter, num_epochs=None)
+    return {k: np.asarray(v) for k, v in next(iter(ds)).items()}
+
+  alone = {name: first_batch(cfg) for name, cfg in (("train", train), ("held_out", held_out))}
+  for _ in range(3):
+    got: dict = {}
+    threads = [threading.Thread(target=lambda n=n, c=c: got.setdefault(n, first_batch(c)))
+               for n, c in (("train", train), ("held_out", held_out))]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+    for name, batch in alone.items():
+      assert all(np.array_equal(batch[k], got[name][k]) for k in batch), name

@@ -54,6 +54,8 @@ _ARITHMETIC_OPS = (("add", "+"), ("sub", "-"))
 # Fixed salts make the generated problems a pure function of these numbers.
 _PROBLEM_SALT = np.uint64(0x5EED_A817_0000_0001)
 _SPLIT_SALT = np.uint64(0x5EED_A817_0000_0002)
+# Problems are generated this many at a time; the problems kept do not depend on it.
+_BLOCK_SIZE = 1 << 16
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:
@@ -82,6 +84,87 @@ def _is_validation(op: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
   return _mix64(key ^ _SPLIT_SALT) % np.uint64(_VALIDATION_ONE_IN) == 0
 
 
+def _first_distinct(
+    in_split: Callable[[np.ndarray], tuple[np.ndarray, ...]], wanted: int
+) -> tuple[np.ndarray, ...]:
+  """Keeps the first `wanted` distinct problems, in order of first occurrence.
+
+  Problems are numbered 0, 1, 2, ... and generated in blocks until enough
+  distinct ones have been seen, exactly as a loop adding each problem to a
+  dict in order (skipping duplicates) and stopping at `wanted` would.
+
+  Args:
+    in_split: maps a block of problem numbers to `(keys, *columns)` for the
+      problems of that block in the split, in order; a key names a problem
+      exactly (equal keys, equal problems).
+    wanted: how many distinct problems to keep.
+
+  Returns:
+    The columns (without the keys), `wanted` rows each.
+  """
+  parts, start, block = [], 0, _BLOCK_SIZE
+  first = np.zeros(0, dtype=np.int64)
+  while not parts or len(first) < wanted:
+    parts.append(in_split(np.arange(start, start + block, dtype=np.uint64)))
+    start += block
+    keys = np.concatenate([part[0] for part in parts])
+    if len(keys) >= wanted:  # Else too few to hold `wanted` distinct ones.
+      first = _first_occurrences(keys)
+  first = np.sort(first)[:wanted]
+  return tuple(np.concatenate(columns)[first] for columns in list(zip(*parts))[1:])
+
+
+def _first_occurrences(keys: np.ndarray) -> np.ndarray:
+  """Returns the index of the first occurrence of each distinct key, in no particular order."""
+  order = np.argsort(keys)  # Quicker than a stable sort; equal keys end up in any order.
+  ordered = keys[order]
+  starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+  return np.minimum.reduceat(order, starts)  # The least index within each run of equal keys.
+
+
+@functools.lru_cache(maxsize=None)
+def _numerals(low: int, high: int) -> np.ndarray:
+  """Returns `str(i)` as ASCII bytes for i in [low, high], as a numpy `S` array."""
+  return np.array([str(i).encode("ascii") for i in range(low, high + 1)])
+
+
+def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Marks cached arrays read-only, so that no caller can change them for the others."""
+  for array in arrays:
+    array.flags.writeable = False
+  return arrays
+
+
+def _as_pairs(questions: np.ndarray, answers: np.ndarray) -> tuple[tuple[str, str], ...]:
+  """Byte-string arrays as (question, answer) str pairs."""
+  return tuple(zip(map(bytes.decode, questions.tolist()), map(bytes.decode, answers.tolist())))
+
+
+@functools.lru_cache(maxsize=None)
+def _arithmetic_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+  """`arithmetic_examples(split)` as read-only (questions, answers) `S` arrays."""
+  if split not in ARITHMETIC_SIZES:
+    raise ValueError(
+        f"Unknown arithmetic split '{split}'. Allowed: {', '.join(ARITHMETIC_SIZES)}."
+    )
+
+  def in_split(indices: np.ndarray) -> tuple[np.ndarray, ...]:
+    op, a, b = _problems(indices)
+    keep = _is_validation(op, a, b) == (split == "validation")
+    op, a, b = op[keep], a[keep], b[keep]
+    return op * 10**8 + a * 10**4 + b, op, a, b  # Operands are below 10**4.
+
+  op, a, b = _first_distinct(in_split, ARITHMETIC_SIZES[split])
+  limit = 10**_MAX_OPERAND_DIGITS
+  numerals = _numerals(-limit, 2 * limit)  # Every operand and answer; numerals[limit] is b"0".
+  names = np.array([f"{name}: ".encode() for name, _ in _ARITHMETIC_OPS])[op]
+  symbols = np.array([f" {symbol} ".encode() for _, symbol in _ARITHMETIC_OPS])[op]
+  questions = np.char.add(np.char.add(np.char.add(names, numerals[a + limit]), symbols),
+                          numerals[b + limit])
+  answers = numerals[np.where(op == _ARITHMETIC_OPS.index(("add", "+")), a + b, a - b) + limit]
+  return _read_only(questions, answers)
+
+
 @functools.lru_cache(maxsize=None)
 def arithmetic_examples(split: str) -> tuple[tuple[str, str], ...]:
   """Returns the deterministic (question, answer) pairs of one split.
@@ -99,28 +182,7 @@ def arithmetic_examples(split: str) -> tuple[tuple[str, str], ...]:
   Raises:
     ValueError: for an unknown split.
   """
-  if split not in ARITHMETIC_SIZES:
-    raise ValueError(
-        f"Unknown arithmetic split '{split}'. Allowed: {', '.join(ARITHMETIC_SIZES)}."
-    )
-  wanted, seen, start = ARITHMETIC_SIZES[split], {}, 0
-  block = 1 << 16
-  while len(seen) < wanted:
-    op, a, b = _problems(np.arange(start, start + block, dtype=np.uint64))
-    in_split = _is_validation(op, a, b) == (split == "validation")
-    for o, x, y in zip(op[in_split].tolist(), a[in_split].tolist(), b[in_split].tolist()):
-      seen.setdefault((o, x, y), None)
-      if len(seen) == wanted:
-        break
-    start += block
-  return tuple(_format_problem(*problem) for problem in seen)
-
-
-def _format_problem(op: int, a: int, b: int) -> tuple[str, str]:
-  """Renders one problem as (question, answer) text."""
-  name, symbol = _ARITHMETIC_OPS[op]
-  answer = a + b if symbol == "+" else a - b
-  return f"{name}: {a} {symbol} {b}", str(answer)
+  return _as_pairs(*_arithmetic_arrays(split))
 
 
 SORT_SIZES = {"train": 100_000, "validation": 1_000}
@@ -139,6 +201,42 @@ def _digit_lists(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return digits.astype(np.int64), lengths.astype(np.int64)
 
 
+def _spaced_digits(prefix: bytes, digits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Renders rows of digits as b"<prefix>d d d", the first `lengths` of each, as `S` strings."""
+  n, width = digits.shape
+  used = (np.arange(width)[None, :] < lengths[:, None]).view(np.uint8)
+  body = np.zeros((n, width, 2), dtype=np.uint8)  # A digit, then a space unless it is the last.
+  body[:, :, 0] = (digits.astype(np.uint8) + np.uint8(ord("0"))) * used
+  body[:, :-1, 1] = used[:, 1:] * np.uint8(ord(" "))
+  head = np.broadcast_to(np.frombuffer(prefix, dtype=np.uint8), (n, len(prefix)))
+  chars = np.concatenate([head, body.reshape(n, 2 * width)], axis=1)
+  # NumPy drops the trailing NUL bytes of each fixed-width `S` string.
+  return chars.view(f"S{chars.shape[1]}").reshape(n)
+
+
+@functools.lru_cache(maxsize=None)
+def _sort_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+  """`sort_examples(split)` as read-only (questions, answers) `S` arrays."""
+  if split not in SORT_SIZES:
+    raise ValueError(f"Unknown sort split '{split}'. Allowed: {', '.join(SORT_SIZES)}.")
+  powers = np.uint64(11) ** np.arange(_SORT_MAX_DIGITS, dtype=np.uint64)
+
+  def in_split(indices: np.ndarray) -> tuple[np.ndarray, ...]:
+    digits, lengths = _digit_lists(indices)
+    used = np.arange(_SORT_MAX_DIGITS)[None, :] < lengths[:, None]
+    # Each list as a base-11 number (digits + 1, 0 past the end) names it exactly.
+    codes = ((digits.astype(np.uint64) + np.uint64(1)) * used * powers).sum(axis=1)
+    keep = (_mix64(codes ^ _SPLIT_SALT) % np.uint64(_VALIDATION_ONE_IN) == 0) == (
+        split == "validation")
+    return codes[keep], digits[keep], lengths[keep]
+
+  digits, lengths = _first_distinct(in_split, SORT_SIZES[split])
+  used = np.arange(_SORT_MAX_DIGITS)[None, :] < lengths[:, None]
+  ordered = np.sort(np.where(used, digits, 10), axis=1)  # Unused positions sort last.
+  return _read_only(_spaced_digits(b"sort: ", digits, lengths),
+                    _spaced_digits(b"", ordered, lengths))
+
+
 @functools.lru_cache(maxsize=None)
 def sort_examples(split: str) -> tuple[tuple[str, str], ...]:
   """Returns the deterministic (question, answer) pairs of one sort split.
@@ -155,33 +253,21 @@ def sort_examples(split: str) -> tuple[tuple[str, str], ...]:
   Raises:
     ValueError: for an unknown split.
   """
-  if split not in SORT_SIZES:
-    raise ValueError(f"Unknown sort split '{split}'. Allowed: {', '.join(SORT_SIZES)}.")
-  wanted, seen, start, block = SORT_SIZES[split], {}, 0, 1 << 16
-  powers = np.uint64(11) ** np.arange(_SORT_MAX_DIGITS, dtype=np.uint64)
-  while len(seen) < wanted:
-    digits, lengths = _digit_lists(np.arange(start, start + block, dtype=np.uint64))
-    used = np.arange(_SORT_MAX_DIGITS)[None, :] < lengths[:, None]
-    # Each list as a base-11 number (digits + 1, 0 past the end) names it exactly.
-    codes = ((digits.astype(np.uint64) + np.uint64(1)) * used * powers).sum(axis=1)
-    in_split = (_mix64(codes ^ _SPLIT_SALT) % np.uint64(_VALIDATION_ONE_IN) == 0) == (
-        split == "validation")
-    for row, length in zip(digits[in_split].tolist(), lengths[in_split].tolist()):
-      seen.setdefault(tuple(row[:length]), None)
-      if len(seen) == wanted:
-        break
-    start += block
-  return tuple(("sort: " + " ".join(map(str, key)), " ".join(map(str, sorted(key))))
-               for key in seen)
+  return _as_pairs(*_sort_arrays(split))
+
+
+def _generated_dataset(questions: np.ndarray, answers: np.ndarray, shuffle_files: bool,
+                       seed: int | None) -> tf.data.Dataset:
+  """The {"inputs", "targets"} dataset of one split, from `S` arrays (far quicker than lists)."""
+  ds = tf.data.Dataset.from_tensor_slices({"inputs": questions, "targets": answers})
+  if shuffle_files and seed is not None:
+    ds = ds.shuffle(len(questions), seed=seed, reshuffle_each_iteration=True)
+  return ds
 
 
 def _sort_dataset(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
   """seqio `dataset_fn`: the generated sort problems; see `_arithmetic_dataset`."""
-  questions, answers = zip(*sort_examples(split))
-  ds = tf.data.Dataset.from_tensor_slices({"inputs": list(questions), "targets": list(answers)})
-  if shuffle_files and seed is not None:
-    ds = ds.shuffle(len(questions), seed=seed, reshuffle_each_iteration=True)
-  return ds
+  return _generated_dataset(*_sort_arrays(split), shuffle_files, seed)
 
 
 def _arithmetic_dataset(
@@ -193,11 +279,7 @@ def _arithmetic_dataset(
   reshuffled every epoch; without one it is left alone, so that every host
   sees the same order and seqio's per-host sharding stays disjoint.
   """
-  questions, answers = zip(*arithmetic_examples(split))
-  ds = tf.data.Dataset.from_tensor_slices({"inputs": list(questions), "targets": list(answers)})
-  if shuffle_files and seed is not None:
-    ds = ds.shuffle(len(questions), seed=seed, reshuffle_each_iteration=True)
-  return ds
+  return _generated_dataset(*_arithmetic_arrays(split), shuffle_files, seed)
 
 
 def exact_match_accuracy(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
