@@ -528,9 +528,13 @@ def load_or_build_pipeline(name: str, build: Callable[[], Any], constants: tuple
       graph = _serialized(ds)
     except Exception:  # noqa: BLE001  not serializable: built each launch, as without a store
       return ds
-    _write(path, pickle.dumps({
-        "graph": graph, "digest": _pipeline_digest(graph),
-        "element_spec": {k: (v.shape.as_list(), v.dtype.name) for k, v in spec.items()}}))
+    try:
+      _write(path, pickle.dumps({
+          "graph": graph, "digest": _pipeline_digest(graph),
+          "element_spec": {k: (v.shape.as_list(), v.dtype.name) for k, v in spec.items()}}))
+    except OSError as error:  # a run never fails for its cache
+      print(f"t5lite: warning: the {name} pipeline not kept in the program store "
+            f"({_brief(error)}).", flush=True)
   return ds
 
 

@@ -416,6 +416,24 @@ def test_pipeline_store_builds_past_an_unreadable_entry_and_skips_unserializable
   compilation_cache.verify_loaded(wait=True)
 
 
+def test_a_pipeline_the_store_cannot_keep_is_still_built(store, capsys):
+  import tensorflow as tf
+  store.mkdir(parents=True, exist_ok=True)
+  store.chmod(0o500)  # entries cannot be written
+  try:
+    if os.access(store, os.W_OK):
+      store.chmod(0o700)
+      store.rmdir()
+      store.write_text("")  # running as root: a file where the directory should be
+    ds = compilation_cache.load_or_build_pipeline(
+        "train", lambda: tf.data.Dataset.range(2).map(lambda x: {"x": x}), ())
+    assert [int(b["x"]) for b in ds] == [0, 1]
+    assert "not kept in the program store" in capsys.readouterr().out
+  finally:
+    if store.is_dir():
+      store.chmod(0o700)
+
+
 def test_pipeline_store_is_off_with_the_cache(tmp_path, jax_cache_settings):
   import tensorflow as tf
   compilation_cache.configure(str(tmp_path / "cache"), enabled=False)
