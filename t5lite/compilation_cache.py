@@ -543,6 +543,11 @@ def _built_digest(build: Callable[[], Any]) -> str:
   return _pipeline_digest(_serialized(build()))
 
 
+def _nodes(graph_def: Any) -> tuple:
+  """The nodes of a graph and of the functions in its library."""
+  return (*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def))
+
+
 def _own_seed_generators(graph: bytes) -> bytes:
   """`graph` with the seed generators of its shuffles renamed for one load.
 
@@ -553,7 +558,7 @@ def _own_seed_generators(graph: bytes) -> bytes:
   from tensorflow.core.framework import graph_pb2
   graph_def = graph_pb2.GraphDef.FromString(graph)
   suffix = f"/t5lite-load-{uuid.uuid4().hex}"
-  for node in (*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)):
+  for node in _nodes(graph_def):
     if node.op == "Const" and "value" in node.attr:
       for handle in node.attr["value"].tensor.resource_handle_val:
         if "SeedGenerator" in handle.maybe_type_name:
@@ -583,7 +588,7 @@ def _pipeline_digest(graph: bytes) -> str:
   from tensorflow.core.framework import graph_pb2
   graph_def = graph_pb2.GraphDef.FromString(graph)
   described = []
-  for node in (*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)):
+  for node in _nodes(graph_def):
     node.attr.pop("metadata", None)
     node.ClearField("name")
     node.ClearField("input")
