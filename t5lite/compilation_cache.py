@@ -376,6 +376,15 @@ def preload(name: str, constants: tuple, args: tuple, like: Any = None) -> None:
                                         f"t5lite-load-{name}"))
 
 
+def drop_preloads() -> None:
+  """Waits for the entries still being read ahead and forgets them: a launch
+  that ends without calling its programs (nothing left to train) must not
+  exit while a thread is loading an executable."""
+  while _PRELOADS:
+    _, (_, reading) = _PRELOADS.popitem()
+    reading.join()
+
+
 def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..., Any],
                     like: Any = None) -> Any:
   """The compiled program `name` for `args`, from the store or compiled and

@@ -538,6 +538,7 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
     data.close()  # the pipeline a restart builds in the background, never used
+    compilation_cache.drop_preloads()  # and the train step read ahead
     checkpointer.close()
     return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.

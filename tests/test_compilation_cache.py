@@ -301,6 +301,16 @@ def test_train_step_is_read_ahead_from_the_abstract_state(store):
   step.preload(abstract)
   assert (step(jax.numpy.ones((2, 3), "int32") * 2)["y"] == 5).all()
   assert compilation_cache._EVENTS[compilation_cache._PRELOAD_USED] == used
+  # A launch with nothing left to train waits for what it reads ahead, then forgets it.
+  partitioner.partition(_Traced()._fn, in_shardings=None, out_shardings=None,
+                        program=("prog", 1)).preload(abstract)
+  assert set(compilation_cache._PRELOADS) == {"prog"}
+  compilation_cache.drop_preloads()
+  assert compilation_cache._PRELOADS == {}
+  step = partitioner.partition(_Traced()._fn, in_shardings=None, out_shardings=None,
+                               program=("prog", 1))
+  assert (step(x)["y"] == 3).all()
+  assert compilation_cache._EVENTS[compilation_cache._PRELOAD_USED] == used
   compilation_cache.verify_loaded(wait=True)
 
 
