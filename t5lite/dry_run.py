@@ -355,6 +355,8 @@ def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None,
                   f"steps {list(plan.set_aside)} move to MODEL_DIR/{plan.aside_subdir}")
   if start.kind in ("import", "params"):
     return 0, f"parameters from {restore.path}, step 0"
+  if start.kind == "import_state":
+    return step, f"continues the T5X run of {restore.path} (parameters and Adafactor) at step {step}"
   if start.kind == "restore":
     return step, f"restores step {step} from {restore.path}"
   return 0, "fresh start"

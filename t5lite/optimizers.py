@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 import jax
@@ -37,10 +37,64 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t5lite import adafactor as adafactor_lib
 from t5lite import tree_paths
 
 Schedule = optax.Schedule
 PathScales = Union[Mapping[str, float], Sequence[tuple[str, float]]]
+
+
+class ByLogicalAxes(NamedTuple):
+  """A learner whose transformation depends on each parameter's logical axes
+  (T5X's Adafactor factors by them); `for_params` builds it.
+
+  Attributes:
+    build: (params or their shapes, tree of logical PartitionSpecs or None)
+      -> optax transformation.
+  """
+
+  build: Callable[[Any, Any | None], optax.GradientTransformation]
+
+
+Learner = Union[optax.GradientTransformation, ByLogicalAxes]
+
+
+def for_params(optimizer: Learner, params: Any, param_axes: Any | None
+               ) -> optax.GradientTransformation:
+  """The optax transformation of `optimizer` for these parameters.
+
+  Args:
+    optimizer: a learner of this module (or any optax transformation).
+    params: the parameters, or their ShapeDtypeStructs.
+    param_axes: a tree like `params` of logical PartitionSpecs; None when
+      unknown (T5X's Adafactor then factors by size alone).
+
+  Returns:
+    An optax transformation.
+  """
+  if isinstance(optimizer, ByLogicalAxes):
+    return optimizer.build(params, param_axes)
+  return optimizer
+
+
+def _wrap(optimizer: Learner, wrapper: Callable[[optax.GradientTransformation],
+                                                optax.GradientTransformation]) -> Learner:
+  """`wrapper(optimizer)`, deferred until the axes are known when it needs them."""
+  if isinstance(optimizer, ByLogicalAxes):
+    return ByLogicalAxes(lambda params, axes: wrapper(optimizer.build(params, axes)))
+  return wrapper(optimizer)
+
+
+def standard_logical_factor_rules(overrides: Mapping[str, str | None] | None = None
+                                  ) -> dict[str, str]:
+  """T5X's Adafactor factor rules by logical axis (see `t5lite.adafactor`).
+
+  From gin: `optimizers.adafactor.logical_factor_rules =
+  @optimizers.standard_logical_factor_rules()`, with
+  `optimizers.standard_logical_factor_rules.overrides = {'expert': 'none'}`
+  to change an entry.
+  """
+  return adafactor_lib.standard_logical_factor_rules(overrides)
 
 
 # ---------------------------------------------------------------------------
@@ -64,6 +118,92 @@ def rsqrt_with_warmup(base_learning_rate: float = 1.0, warmup_steps: int = 10_00
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
     return scale * jax.lax.rsqrt(jnp.maximum(step, float(warmup_steps)))
+  return schedule
+
+
+_T5X_FACTORS = ("constant", "linear_warmup", "linear_decay", "rsqrt_decay",
+                "rsqrt_normalized_decay", "decay_every", "cosine_decay")
+
+
+def create_learning_rate_scheduler(factors: str = "constant * linear_warmup * rsqrt_decay",
+                                   base_learning_rate: float = 0.5,
+                                   warmup_steps: int = 1000,
+                                   decay_factor: float = 0.5,
+                                   steps_per_decay: int = 20000,
+                                   steps_per_cycle: int = 100000,
+                                   step_offset: int = 0,
+                                   min_learning_rate: float = 1e-8) -> Schedule:
+  """T5X's `utils.create_learning_rate_scheduler`: a product of named factors.
+
+  Same names, defaults and values step for step as T5X, where the step is
+  the number of updates already applied (0 for the first). With s =
+  max(0, step - step_offset):
+
+  - constant: base_learning_rate
+  - linear_warmup: min(1, s / warmup_steps)
+  - linear_decay: base_learning_rate * min(s / warmup_steps,
+    1 + decay_factor * (warmup_steps - s)) (T5X: implies the warmup, use alone)
+  - rsqrt_decay: 1 / sqrt(max(s, warmup_steps))
+  - rsqrt_normalized_decay: sqrt(warmup_steps) / sqrt(max(s, warmup_steps))
+  - decay_every: decay_factor ** (s // steps_per_decay)
+  - cosine_decay: max(0, (1 + cos(pi * (p % 1))) / 2), p = max(0, (s -
+    warmup_steps) / steps_per_cycle) (a cycle restarts at full rate)
+
+  and the product is at least `min_learning_rate`.
+
+  Args:
+    factors: factor names joined by '*', e.g. 'constant * rsqrt_decay'.
+    base_learning_rate: the constant.
+    warmup_steps: see the factors.
+    decay_factor: see linear_decay and decay_every.
+    steps_per_decay: see decay_every.
+    steps_per_cycle: see cosine_decay.
+    step_offset: steps subtracted first (T5X: the step a fine-tune starts at).
+    min_learning_rate: lower bound of the rate.
+
+  Returns:
+    A schedule mapping step -> float32 learning rate.
+
+  Raises:
+    ValueError: an unknown factor, or a step count that would divide by zero.
+  """
+  names = [name.strip() for name in factors.split("*")]
+  unknown = [name for name in names if name not in _T5X_FACTORS]
+  if unknown:
+    raise ValueError(f"create_learning_rate_scheduler factor(s) {unknown} in '{factors}' are "
+                     f"unknown; choose from {', '.join(_T5X_FACTORS)}.")
+  needs = {"linear_warmup": warmup_steps, "linear_decay": warmup_steps,
+           "decay_every": steps_per_decay, "cosine_decay": steps_per_cycle}
+  for name in names:
+    if name in needs and needs[name] <= 0:
+      raise ValueError(f"create_learning_rate_scheduler factor '{name}' needs a positive "
+                       f"step count; got warmup_steps={warmup_steps}, steps_per_decay="
+                       f"{steps_per_decay}, steps_per_cycle={steps_per_cycle}.")
+
+  def schedule(step):
+    # The same operations as T5X, on an integer step, so the float32 values
+    # are T5X's.
+    step = jnp.maximum(0, jnp.asarray(step) - step_offset)
+    value = 1.0
+    for name in names:
+      if name == "constant":
+        value *= base_learning_rate
+      elif name == "linear_warmup":
+        value *= jnp.minimum(1.0, step / warmup_steps)
+      elif name == "linear_decay":
+        value *= base_learning_rate * jnp.minimum(step / warmup_steps,
+                                                  1.0 + decay_factor * (warmup_steps - step))
+      elif name == "rsqrt_decay":
+        value /= jnp.sqrt(jnp.maximum(step, warmup_steps))
+      elif name == "rsqrt_normalized_decay":
+        value *= jnp.sqrt(warmup_steps)
+        value /= jnp.sqrt(jnp.maximum(step, warmup_steps))
+      elif name == "decay_every":
+        value *= decay_factor ** (step // steps_per_decay)
+      else:  # cosine_decay
+        progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
+        value *= jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * (progress % 1.0))))
+    return jnp.asarray(jnp.maximum(value, min_learning_rate), dtype=jnp.float32)
   return schedule
 
 
@@ -422,34 +562,120 @@ def _check_positive(value: float | None, name: str, allow_none: bool = False) ->
                      + (" (or None to disable)." if allow_none else "."))
 
 
-def adafactor(learning_rate: Schedule | float,
+def adafactor(learning_rate: Schedule | float, *,
+              factored: bool = True,
+              multiply_by_parameter_scale: bool | Sequence[tuple[str, bool]] = True,
+              beta1: float | None = None,
               decay_rate: float = 0.8,
+              step_offset: int = 0,
               clipping_threshold: float | None = 1.0,
-              multiply_by_parameter_scale: bool = True,
+              weight_decay_rate: float | None = None,
               min_dim_size_to_factor: int = 128,
-              momentum: float | None = None,
-              weight_decay_rate: float | None = None) -> optax.GradientTransformation:
-  """Adafactor (T5X default optimizer) with an injected learning rate.
+              epsilon1: float = 1e-30,
+              epsilon2: float = 1e-3,
+              dtype_momentum: str = "float32",
+              logical_factor_rules: Mapping[str, str | None] | None = (
+                  adafactor_lib.STANDARD_LOGICAL_FACTOR_RULES),
+              weight_decay_rate_lr_exponent: float | None = None,
+              global_norm_clip_threshold: float | None = None,
+              max_parameter_scale: float | None = None,
+              skip_nan_updates: bool = False) -> ByLogicalAxes:
+  """T5X's Adafactor (`t5x.adafactor.Adafactor`), with T5X's argument names.
+
+  The algorithm and the factoring by logical axes are described in
+  `t5lite.adafactor`. Every argument means what it means in T5X; a recipe
+  moved from a T5X gin file keeps its values.
 
   Args:
-    learning_rate: schedule or constant.
-    decay_rate: second-moment decay is 1 - (t + 1)^-decay_rate at count t.
-    clipping_threshold: clip each parameter's update to this RMS; None disables.
-    multiply_by_parameter_scale: scale updates by max(RMS(param), 1e-3).
-    min_dim_size_to_factor: factor the second moment of matrices whose two
-      largest dimensions are at least this.
-    momentum: optional EMA decay of the updates.
-    weight_decay_rate: optional decay added after the learning rate (optax).
+    learning_rate: schedule or constant (T5X's `learning_rate_fn`).
+    factored: factor second moments at all.
+    multiply_by_parameter_scale: scale each update by max(rms(param),
+      epsilon2); or T5X's HParamMap rules, ordered (regex, bool) pairs on
+      '/'-joined parameter paths (the first that `re.search`es the path).
+    beta1: momentum of the updates (None: no momentum, no memory for it).
+    decay_rate: second-moment decay is 1 - (t + 1)^-decay_rate at step t.
+    step_offset: steps before this one do not count towards the decay
+      (T5X: set it to the pretraining steps to reset it for a fine-tune).
+    clipping_threshold: clip each update to this root-mean-square; None
+      disables.
+    weight_decay_rate: param *= (1 - rate) each step (not scaled by the
+      learning rate, as in T5X); None disables.
+    min_dim_size_to_factor: the size heuristic factors a matrix only when
+      its smaller dimension is at least this.
+    epsilon1: added to squared gradients.
+    epsilon2: smallest parameter scale.
+    dtype_momentum: dtype of the momentum slots.
+    logical_factor_rules: axis name -> 'row' / 'column' / 'batch' / 'none';
+      by default `standard_logical_factor_rules()`, which T5X's T5.1.1 gin
+      files bind; None gives T5X's size heuristic alone (T5X's Python
+      default), which cannot factor a parameter of rank above two.
+    weight_decay_rate_lr_exponent: decay = (weight_decay_rate or 1) *
+      lr ** exponent.
+    global_norm_clip_threshold: clip gradients to this global norm first.
+    max_parameter_scale: largest parameter scale.
+    skip_nan_updates: keep a parameter's old value (and slots) wherever the
+      update would make it NaN.
 
   Returns:
-    An optax transformation.
+    A learner that becomes an optax transformation once the parameters'
+    logical axes are known (`for_params`).
+
+  Raises:
+    ValueError: decay_rate not positive, a negative epsilon or offset, a
+      beta1 outside [0, 1), a non-positive threshold, a malformed rule.
   """
-  return _inject_learning_rate(
-      optax.adafactor, learning_rate, decay_rate=decay_rate,
-      clipping_threshold=clipping_threshold,
-      multiply_by_parameter_scale=multiply_by_parameter_scale,
-      min_dim_size_to_factor=min_dim_size_to_factor, momentum=momentum,
-      weight_decay_rate=weight_decay_rate)
+  if decay_rate <= 0 or epsilon1 < 0 or epsilon2 < 0 or step_offset < 0:
+    raise ValueError(f"Adafactor needs decay_rate > 0 and epsilon1, epsilon2, step_offset >= 0; "
+                     f"got decay_rate={decay_rate}, epsilon1={epsilon1}, epsilon2={epsilon2}, "
+                     f"step_offset={step_offset}.")
+  _check_decay(beta1, "beta1")
+  _check_positive(clipping_threshold, "clipping_threshold", allow_none=True)
+  _check_positive(global_norm_clip_threshold, "global_norm_clip_threshold", allow_none=True)
+  _check_positive(max_parameter_scale, "max_parameter_scale", allow_none=True)
+  _check_positive(min_dim_size_to_factor, "min_dim_size_to_factor")
+  rules = (None if logical_factor_rules is None
+           else adafactor_lib.check_rules(logical_factor_rules))
+  hp = adafactor_lib.Hyperparams(
+      decay_rate=decay_rate, step_offset=step_offset, clipping_threshold=clipping_threshold,
+      multiply_by_parameter_scale=_parameter_scale_rule(multiply_by_parameter_scale),
+      beta1=beta1, epsilon1=epsilon1, epsilon2=epsilon2, weight_decay_rate=weight_decay_rate,
+      weight_decay_rate_lr_exponent=weight_decay_rate_lr_exponent,
+      global_norm_clip_threshold=global_norm_clip_threshold,
+      max_parameter_scale=max_parameter_scale, skip_nan_updates=skip_nan_updates,
+      dtype_momentum=jnp.dtype(dtype_momentum))
+
+  def build(params: Any, param_axes: Any | None) -> optax.GradientTransformation:
+    plans, names = adafactor_lib.plan_tree(params, param_axes, rules, factored,
+                                           min_dim_size_to_factor)
+    return _inject_learning_rate(adafactor_lib.scale_by_t5x_adafactor, learning_rate,
+                                 plans=plans, names=names, hp=hp)
+  return ByLogicalAxes(build)
+
+
+def _parameter_scale_rule(value: bool | Sequence[tuple[str, bool]]) -> Any:
+  """A bool, or T5X's HParamMap as a function of the parameter path."""
+  if isinstance(value, bool):
+    return value
+  pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+  compiled = []
+  for pair in pairs:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
+            and isinstance(pair[1], bool)):
+      raise ValueError(f"multiply_by_parameter_scale rule {pair!r} must be a (regex, bool) "
+                       "pair, e.g. ('.*/relpos_bias/.*', False).")
+    try:
+      compiled.append((re.compile(pair[0]), pair[1]))
+    except re.error as e:
+      raise ValueError(f"multiply_by_parameter_scale regex '{pair[0]}' does not compile: "
+                       f"{e}.") from None
+
+  def rule(name: str) -> bool:
+    for pattern, flag in compiled:
+      if pattern.search(name):
+        return flag
+    raise ValueError(f"multiply_by_parameter_scale has no rule for parameter {name}: add "
+                     "a last ('.*', True) pair.")
+  return rule
 
 
 def _adamw_with_rate(learning_rate, *, b1, b2, eps, weight_decay, rules):
@@ -584,15 +810,14 @@ def adastar(learning_rate: Schedule | float, *,
 # Wrappers that compose with any learner
 
 
-def clip_by_global_norm(optimizer: optax.GradientTransformation, max_norm: float
-                        ) -> optax.GradientTransformation:
+def clip_by_global_norm(optimizer: Learner, max_norm: float) -> Learner:
   """Scales gradients down to global norm `max_norm` before `optimizer`.
 
   Raises:
     ValueError: max_norm not positive.
   """
   _check_positive(max_norm, "max_norm")
-  return optax.chain(optax.clip_by_global_norm(max_norm), optimizer)
+  return _wrap(optimizer, lambda inner: optax.chain(optax.clip_by_global_norm(max_norm), inner))
 
 
 class SkipClipState(NamedTuple):
@@ -607,8 +832,8 @@ class SkipClipState(NamedTuple):
   skipped_steps: jax.Array
 
 
-def skip_and_clip_by_global_norm(optimizer: optax.GradientTransformation, drop_norm: float,
-                                 max_norm: float | None = None) -> optax.GradientTransformation:
+def skip_and_clip_by_global_norm(optimizer: Learner, drop_norm: float,
+                                 max_norm: float | None = None) -> Learner:
   """Skips steps with exploding gradients; clips the others.
 
   A step whose gradient global norm exceeds `drop_norm` (or is not finite)
@@ -631,6 +856,11 @@ def skip_and_clip_by_global_norm(optimizer: optax.GradientTransformation, drop_n
   _check_positive(drop_norm, "drop_norm")
   _check_positive(max_norm, "max_norm", allow_none=True)
 
+  return _wrap(optimizer, lambda inner: _skip_and_clip(inner, drop_norm, max_norm))
+
+
+def _skip_and_clip(optimizer: optax.GradientTransformation, drop_norm: float,
+                   max_norm: float | None) -> optax.GradientTransformation:
   def init(params):
     return SkipClipState(optimizer.init(params), jnp.zeros([], jnp.int32))
 
@@ -651,8 +881,7 @@ def skip_and_clip_by_global_norm(optimizer: optax.GradientTransformation, drop_n
   return optax.GradientTransformation(init, update)
 
 
-def scale_updates_by_path(optimizer: optax.GradientTransformation, scales: PathScales
-                          ) -> optax.GradientTransformation:
+def scale_updates_by_path(optimizer: Learner, scales: PathScales) -> Learner:
   """Multiplies the final updates of matching parameters (muP-style rates).
 
   The scale multiplies everything `optimizer` would change the parameter
@@ -674,7 +903,7 @@ def scale_updates_by_path(optimizer: optax.GradientTransformation, scales: PathS
   rules = _compile_path_rules(scales, "scale_updates_by_path scales")
   if not rules:
     raise ValueError("scale_updates_by_path needs at least one (regex, scale) rule.")
-  return optax.chain(optimizer, _scale_by_path(rules))
+  return _wrap(optimizer, lambda inner: optax.chain(inner, _scale_by_path(rules)))
 
 
 # ---------------------------------------------------------------------------
@@ -711,3 +940,31 @@ def skipped_steps_from_state(opt_state: Any) -> jax.Array | None:
   counts = [node.skipped_steps for node in jax.tree.leaves(opt_state, is_leaf=is_skip)
             if is_skip(node)]
   return sum(counts[1:], counts[0]) if counts else None
+
+
+def adafactor_state(opt_state: Any) -> adafactor_lib.AdafactorState | None:
+  """The state of the one T5X Adafactor in `opt_state`, or None if there is none.
+
+  Raises:
+    ValueError: more than one.
+  """
+  is_state = lambda node: isinstance(node, adafactor_lib.AdafactorState)  # noqa: E731
+  found = [n for n in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(n)]
+  if len(found) > 1:
+    raise ValueError("The optimizer holds more than one Adafactor; cannot place one state.")
+  return found[0] if found else None
+
+
+def with_adafactor_state(opt_state: Any, slots: adafactor_lib.AdafactorState, step: int
+                         ) -> Any:
+  """`opt_state` continuing at `step` with these Adafactor slots: every
+  counter of the optimizer (its schedule's and Adafactor's) is set to `step`,
+  as when that many updates had been applied here."""
+  is_state = lambda node: isinstance(node, adafactor_lib.AdafactorState)  # noqa: E731
+  opt_state = jax.tree.map(lambda node: slots if is_state(node) else node, opt_state,
+                           is_leaf=is_state)
+
+  def set_count(path, leaf):
+    named = path and getattr(path[-1], "name", None) == "count"
+    return jnp.full_like(leaf, step) if named else leaf
+  return jax.tree_util.tree_map_with_path(set_count, opt_state)

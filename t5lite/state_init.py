@@ -22,6 +22,7 @@ from jax.extend import core as jax_core
 from t5lite import checkpoints as ckpt_lib
 from t5lite import interop
 from t5lite import metrics as metrics_lib
+from t5lite import optimizers
 from t5lite import tree_paths
 from t5lite.feeder import TrainData, fast_forward
 from t5lite.partitioning import Partitioner
@@ -42,7 +43,10 @@ def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str,
   """Abstract train state, its shardings, and the function that initialises it."""
   def boxed_and_state(rng):
     variables = model.get_initial_variables(rng, input_shapes, input_types)
-    return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer)
+    # The logical axes are static metadata of the boxed parameters; the
+    # optimizer may factor its statistics by them (T5X's Adafactor).
+    return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer,
+                                        nn.get_partition_spec(variables)["params"])
 
   # The model's initialisation is traced once, here: the jaxpr gives the
   # logical axes (on the boxed parameters) and the abstract state, and
@@ -67,7 +71,8 @@ class Start:
   """Where a run starts, decided before anything is read or written.
 
   `kind` is "resume" (the newest of this run's own steps in `plan`),
-  "import" (the parameters of a T5X or Hugging Face checkpoint), "params"
+  "import" (the parameters of a T5X or Hugging Face checkpoint),
+  "import_state" (a T5X run's whole state, Adafactor included, at `step`), "params"
   (the parameters of a t5lite checkpoint), "restore" (a t5lite checkpoint's
   whole state, at `step`) or "fresh".
   """
@@ -83,15 +88,26 @@ def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | N
   run's own checkpoints first, then the restore path, else a fresh start.
 
   Raises:
-    ValueError: `resume_step` is not a step of model_dir, or the restore
-      path holds no checkpoint.
+    ValueError: `resume_step` is not a step of model_dir, the restore
+      path holds no checkpoint, or asks for an optimizer state a foreign
+      checkpoint does not have.
   """
   plan = ckpt_lib.plan_resume(model_dir, resume_step)
   if plan.candidates:
     return Start("resume", max(plan.candidates), plan)
   if restore_cfg is None or not restore_cfg.path:
     return Start("fresh", 0, plan)
-  if interop.checkpoint_format(restore_cfg.path):
+  foreign = interop.checkpoint_format(restore_cfg.path)
+  if foreign and restore_cfg.assignment_map:
+    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, whose names t5lite maps "
+                     "itself: remove RestoreCheckpointConfig.assignment_map.")
+  if foreign == interop.T5X and not restore_cfg.params_only:
+    return Start("import_state", interop.checkpoint_step(restore_cfg.path), plan)
+  if foreign and not restore_cfg.params_only:
+    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, which holds parameters "
+                     "only: set RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin "
+                     "does).")
+  if foreign:
     return Start("import", 0, plan)
   if restore_cfg.params_only:
     return Start("params", 0, plan)
@@ -108,7 +124,7 @@ def data_position(start: Start, model_dir: str) -> int:
   if start.kind == "resume":
     checkpoints = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
     return 0 if ckpt_lib.holds_dataset(checkpoints, start.step) else start.step
-  return start.step if start.kind == "restore" else 0
+  return start.step if start.kind in ("restore", "import_state") else 0
 
 
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
@@ -157,8 +173,11 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
     if data is not None and not restored.with_data:
       fast_forward(data, restored.step)
     return specs.abstract.restore_state(restored.state), restored.step
-  if start.kind == "import":
-    return _import_foreign(specs, restore_cfg, partitioner), 0
+  if start.kind in ("import", "import_state"):
+    state = _import_foreign(specs, restore_cfg, partitioner, start.kind == "import_state")
+    if data is not None and start.step:
+      fast_forward(data, start.step)
+    return state, start.step
   if start.kind == "params":
     plan = ckpt_lib.plan_params_restore(restore_cfg, specs.abstract.params)  # before init
     for warning in plan.warnings:
@@ -202,30 +221,51 @@ def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
 
 
 def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointConfig,
-                    partitioner: Partitioner) -> TrainState:
-  """A fresh train state around the parameters of a T5X or Hugging Face checkpoint.
+                    partitioner: Partitioner, with_optimizer: bool) -> TrainState:
+  """A train state around the parameters of a T5X or Hugging Face checkpoint.
 
-  Only the parameters are imported (a foreign optimizer's slots do not fit
-  t5lite's optimizer); the optimizer state is initialised from them, under
-  jit with the state's shardings, and the run starts at step 0.
+  With `with_optimizer` (a T5X checkpoint restored whole), T5X's Adafactor
+  statistics and step continue in the configured `optimizers.adafactor`,
+  as T5X itself would continue the run. Otherwise the optimizer state is
+  initialised from the parameters and the run starts at step 0 (a
+  fine-tune). Either way under jit with the state's shardings.
 
   Raises:
-    ValueError: `params_only` is off, or the checkpoint does not fit the model.
+    ValueError: the checkpoint does not fit the model, or its optimizer
+      state does not fit the configured optimizer.
   """
-  if not restore_cfg.params_only or restore_cfg.assignment_map:
-    raise ValueError(f"{restore_cfg.path} is a {interop.checkpoint_format(restore_cfg.path)} "
-                     "checkpoint, which gives parameters only: set "
-                     "RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin does) "
-                     "and no assignment_map.")
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
   params = interop.load_params(restore_cfg.path, abstract)
   tx = specs.abstract.tx
   create = partitioner.partition(lambda p: TrainState.create(p, tx),
                                  in_shardings=(specs.shardings.params,),
                                  out_shardings=specs.shardings)
-  metrics_lib.log_line(f"Imported {len(jax.tree.leaves(params))} parameters from "
-                       f"{restore_cfg.path}; optimizer state fresh, starting at step 0")
-  return create(params)
+  state = create(params)
+  if not with_optimizer:
+    metrics_lib.log_line(f"Imported {len(jax.tree.leaves(params))} parameters from "
+                         f"{restore_cfg.path}; optimizer state fresh, starting at step 0")
+    return state
+  step, slots = interop.load_t5x_adafactor(restore_cfg.path, specs.abstract.params,
+                                           t5x_adafactor_slots(state.opt_state))
+  opt_state = optimizers.with_adafactor_state(state.opt_state, slots, step)
+  metrics_lib.log_line(f"Imported the parameters and Adafactor state of {restore_cfg.path}; "
+                       f"continuing T5X's run at step {step}")
+  return state.replace(step=jax.numpy.asarray(step, state.step.dtype), opt_state=opt_state)
+
+
+def t5x_adafactor_slots(opt_state: Any) -> Any:
+  """The configured optimizer's Adafactor state, which a T5X run's state continues.
+
+  Raises:
+    ValueError: the optimizer is not `optimizers.adafactor`.
+  """
+  slots = optimizers.adafactor_state(opt_state)
+  if slots is None:
+    raise ValueError("Restoring a T5X checkpoint whole continues its Adafactor, but the "
+                     "configured optimizer is not optimizers.adafactor: configure it (the gin "
+                     "file t5lite-import writes does), or fine-tune from the parameters only "
+                     "(RestoreCheckpointConfig.params_only = True).")
+  return slots
 
 
 @dataclasses.dataclass(frozen=True)

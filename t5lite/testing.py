@@ -11,6 +11,10 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from typing import Any
+
+import flax.linen as nn
+import jax
 import optax
 import seqio
 import tensorflow as tf
@@ -28,7 +32,7 @@ def tiny_config(**overrides) -> transformer.TransformerConfig:
   return transformer.TransformerConfig(**{**TINY, **overrides})
 
 
-def tiny_encoder_decoder(optimizer: optax.GradientTransformation | None = None,
+def tiny_encoder_decoder(optimizer: optimizers.Learner | None = None,
                          **overrides) -> models.EncoderDecoderModel:
   """A byte-vocabulary encoder-decoder small enough for unit tests."""
   vocab = vocabularies.byte_vocabulary()
@@ -38,13 +42,20 @@ def tiny_encoder_decoder(optimizer: optax.GradientTransformation | None = None,
       optimizer=optimizer or optimizers.adafactor(0.01))
 
 
-def tiny_decoder_only(optimizer: optax.GradientTransformation | None = None,
+def tiny_decoder_only(optimizer: optimizers.Learner | None = None,
                       **overrides) -> models.DecoderOnlyModel:
   vocab = vocabularies.byte_vocabulary()
   return models.DecoderOnlyModel(
       module=transformer.DecoderOnly(config=tiny_config(num_encoder_layers=0, **overrides)),
       input_vocabulary=vocab, output_vocabulary=vocab,
       optimizer=optimizer or optimizers.adafactor(0.01))
+
+
+def param_axes(model: models.BaseModel, input_shapes: Mapping[str, tuple[int, ...]]) -> Any:
+  """The logical PartitionSpecs of `model`'s parameters, traced without memory;
+  what `TrainState.create` needs for an optimizer that factors by them."""
+  boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), input_shapes))
+  return nn.get_partition_spec(boxed)["params"]
 
 
 def fake_device_flags(num_devices: int) -> str:

@@ -523,8 +523,11 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   specs, init_fn = state_init.state_specs(model, partitioner, *model.input_shapes_and_types(
       train_cfg.task_feature_lengths, train_cfg.pack))
   partitioner.check_divisible(specs.abstract, specs.logical)  # before anything is written
-  if restore is not None and interop.checkpoint_format(restore.path):
+  if planned.kind in ("import", "import_state"):
     interop.check_fits(restore.path, specs.abstract.params)  # reads metadata only
+  if planned.kind == "import_state":
+    interop.check_t5x_adafactor_fits(restore.path, specs.abstract.params,
+                                     state_init.t5x_adafactor_slots(specs.abstract.opt_state))
   checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)
   # A stored train step is read while the state is initialised or restored.
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)

@@ -17,6 +17,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from t5lite import optimizers
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -35,7 +37,18 @@ class TrainState:
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
   @classmethod
-  def create(cls, params: Any, tx: optax.GradientTransformation) -> "TrainState":
+  def create(cls, params: Any, tx: optimizers.Learner, param_axes: Any | None = None
+             ) -> "TrainState":
+    """A state at step 0 with `tx`'s fresh optimizer state.
+
+    Args:
+      params: parameter tree.
+      tx: an optax transformation, or a learner that factors by logical axes
+        (`optimizers.adafactor`).
+      param_axes: the parameters' logical PartitionSpecs, for such a learner;
+        without them it can factor by size only.
+    """
+    tx = optimizers.for_params(tx, params, param_axes)
     return cls(step=jnp.zeros((), jnp.int32), params=params,
                opt_state=tx.init(params), tx=tx)
 
@@ -66,6 +79,11 @@ def _leaf_axes(leaf_shape: tuple, param_shape: tuple, axes: tuple, field: str) -
   """Logical axes of one optimizer-state leaf that mirrors one parameter."""
   if leaf_shape == param_shape:
     return PartitionSpec(*axes)
+  if len(leaf_shape) == len(param_shape) and len(axes) == len(param_shape):
+    # Statistics that keep every dimension (T5X's Adafactor here): a reduced
+    # one has size 1 and is not sharded; the others shard like the parameter.
+    kept = [axis if n == m else None for axis, n, m in zip(axes, leaf_shape, param_shape)]
+    return PartitionSpec(*kept) if any(a is not None for a in kept) else PartitionSpec()
   if len(leaf_shape) == len(param_shape) - 1 and len(param_shape) >= 2:
     d1, d0 = _factored_dims(param_shape)
     # Adafactor's row statistics drop the largest dim, column statistics the next.

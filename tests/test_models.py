@@ -437,7 +437,7 @@ def test_loss_normalizer_options():
   assert float(eval_fn(params, empty)[0]) == 0.0
   with pytest.raises(ValueError, match="label_smoothing must be in"):
     _model(transformer.EncoderDecoder(_config()), label_smoothing=1.0)
-  with pytest.raises(ValueError, match="loss_normalizing_factor must be > 0"):
+  with pytest.raises(ValueError, match="loss_normalizing_factor=0.0 must be None"):
     _model(transformer.EncoderDecoder(_config()), loss_normalizing_factor=0.0)
 
 

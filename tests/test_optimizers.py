@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from t5lite import cli, metrics, optimizers, trainer
+from t5lite import cli, metrics, optimizers, testing, trainer
 from t5lite.train_state import TrainState, state_logical_axes
 
 # A tiny tree with muP-relevant paths; matrices are factored when
@@ -405,18 +405,21 @@ def _recipe_optimizer(recipe, bindings=()):
   return model, schedule
 
 
+_SHAPES = {"encoder_input_tokens": (1, 8), "decoder_target_tokens": (1, 4),
+           "decoder_input_tokens": (1, 4), "decoder_loss_weights": (1, 4)}
+
+
 def _real_params(model):
   import flax.linen as nn
-  shapes = {"encoder_input_tokens": (1, 8), "decoder_target_tokens": (1, 4),
-            "decoder_input_tokens": (1, 4), "decoder_loss_weights": (1, 4)}
-  boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))
+  boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), _SHAPES))
   return jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype), nn.unbox(boxed["params"]))
 
 
 @pytest.mark.parametrize("recipe", ["adamw_cosine", "adastar", "adafactor_rsqrt"])
 def test_recipe_trains_the_model_parameters(recipe, clean_gin):
   model, schedule = _recipe_optimizer(recipe, ["TRAIN_STEPS = 1000"])
-  state = TrainState.create(_real_params(model), model.optimizer)  # path rules match
+  state = TrainState.create(_real_params(model), model.optimizer,  # path rules match
+                            testing.param_axes(model, _SHAPES))
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), state.params)
   update = jax.jit(lambda s: s.apply_gradients(grads))
   new = update(update(state))

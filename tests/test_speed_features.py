@@ -253,7 +253,8 @@ def test_bfloat16_activations_keep_float32_state_and_match_float32():
                            num_microbatches=None)
   # The dtypes of a step's output state, without compiling it.
   new_state, _ = jax.eval_shape(
-      step, TrainState.create(_params(), model.optimizer), _batch())
+      step, TrainState.create(_params(), model.optimizer, testing.param_axes(model, _shapes())),
+      _batch())
   for leaf in jax.tree.leaves((new_state.params, new_state.opt_state)):
     assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
 

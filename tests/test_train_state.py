@@ -15,7 +15,7 @@ AXES = {"dense": {"kernel": P("embed", "mlp")}, "scale": P("embed"),
 
 
 def _axes(tx):
-  state = jax.eval_shape(lambda: TrainState.create(PARAMS, tx))
+  state = jax.eval_shape(lambda: TrainState.create(PARAMS, tx, AXES))
   return state_logical_axes(state, AXES)
 
 
@@ -39,17 +39,20 @@ def test_adamw_moments_copy_param_axes():
     assert len(spec) in (0, len(shape))
 
 
-def test_adafactor_factored_statistics_drop_the_reduced_axis():
+def test_adafactor_factored_statistics_keep_their_axes_and_drop_the_reduced_one():
   tx = optimizers.adafactor(1e-2)
   axes = _axes(tx)
-  state = TrainState.create(PARAMS, tx)
+  state = TrainState.create(PARAMS, tx, AXES)
   pairs = _leaves_with_shapes(state.opt_state, axes.opt_state)
-  # [256, 384] kernel: rows keep 'embed' (256), columns keep 'mlp' (384).
-  assert ((256,), P("embed")) in pairs
-  assert ((384,), P("mlp")) in pairs
-  # [512, 130] kernel: largest dim first, rows keep 'embed' (130), cols 'vocab'.
-  assert ((130,), P("embed")) in pairs
-  assert ((512,), P("vocab")) in pairs
+  # [256, 384] (embed, mlp): rows keep 'embed', columns keep 'mlp'; the
+  # reduced dimension stays as size 1 and is not sharded.
+  assert ((256, 1), P("embed", None)) in pairs
+  assert ((1, 384), P(None, "mlp")) in pairs
+  # [512, 130] (vocab, embed): T5X's size rule puts the smaller dim on the rows.
+  assert ((1, 130), P(None, "embed")) in pairs
+  assert ((512, 1), P("vocab", None)) in pairs
+  # The norm scale is not factored: its second moment mirrors it.
+  assert ((384,), P("embed")) in pairs
   assert axes.step == P()
 
 
@@ -88,11 +91,12 @@ def test_expert_weight_statistics_keep_the_expert_axis():
   params = {"wi": jnp.zeros((8, 128, 384))}
   axes = {"wi": P("expert", "embed", "expert_mlp")}
   tx = optimizers.adafactor(1e-2)
-  state = jax.eval_shape(lambda: TrainState.create(params, tx))
+  state = jax.eval_shape(lambda: TrainState.create(params, tx, axes))
   logical = state_logical_axes(state, axes)
-  pairs = _leaves_with_shapes(TrainState.create(params, tx).opt_state, logical.opt_state)
-  assert ((8, 128), P("expert", "embed")) in pairs       # rows: the largest dim reduced
-  assert ((8, 384), P("expert", "expert_mlp")) in pairs  # columns
+  pairs = _leaves_with_shapes(TrainState.create(params, tx, axes).opt_state, logical.opt_state)
+  # 'expert' is a batch axis: every expert has its own row and column statistics.
+  assert ((8, 128, 1), P("expert", "embed", None)) in pairs
+  assert ((8, 1, 384), P("expert", None, "expert_mlp")) in pairs
 
 
 def test_state_specs_traces_the_model_once_and_init_replays_it_bitwise(monkeypatch):
@@ -115,9 +119,13 @@ def test_state_specs_traces_the_model_once_and_init_replays_it_bitwise(monkeypat
   specs, init_fn = state_init.state_specs(model, partitioner, shapes, types)
   state = jax.jit(init_fn)(jax.random.key(3))
   assert len(calls) == 1
-  afresh = jax.jit(lambda rng: TrainState.create(
-      nn.unbox(traced(model, rng, shapes, types)["params"]), model.optimizer))(jax.random.key(3))
-  assert jax.tree.structure(state) == jax.tree.structure(afresh)
+  def create(rng):
+    variables = traced(model, rng, shapes, types)
+    return TrainState.create(nn.unbox(variables["params"]), model.optimizer,
+                             nn.get_partition_spec(variables)["params"])
+  afresh = jax.jit(create)(jax.random.key(3))
+  # The optimizer is built again for the fresh trace, so compare the arrays' trees.
+  assert jax.tree.structure(state.state_dict()) == jax.tree.structure(afresh.state_dict())
   assert jax.tree.structure(state) == jax.tree.structure(specs.abstract)
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(afresh)):
     assert got.dtype == want.dtype and got.shape == want.shape

@@ -30,12 +30,12 @@ def model_and_params():
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
   import flax.linen as nn
   params = nn.unbox(model.get_initial_variables(jax.random.key(0), shapes)["params"])
-  return model, params
+  return model, params, testing.param_axes(model, shapes)
 
 
 @pytest.mark.parametrize("num_microbatches", [2, 4])
 def test_microbatches_equal_full_batch(model_and_params, num_microbatches):
-  model, params = model_and_params
+  model, params, axes = model_and_params
   batch = jax.tree.map(jnp.asarray, _batch())
   rng = jax.random.key(1)
   full_g, full_loss, full_sums = trainer.accumulate_gradients(model, params, batch, rng, None)
@@ -51,9 +51,9 @@ def test_microbatches_equal_full_batch(model_and_params, num_microbatches):
 
 
 def test_train_step_metrics_and_update(model_and_params):
-  model, params = model_and_params
+  model, params, axes = model_and_params
   tx = optimizers.adafactor(optimizers.constant(0.01))
-  state = TrainState.create(params, tx)
+  state = TrainState.create(params, tx, axes)
   batch = jax.tree.map(jnp.asarray, _batch())
   new_state, metrics = trainer.train_step(state, batch, model=model, dropout_seed=0,
                                           num_microbatches=None)
@@ -88,11 +88,12 @@ def test_microbatch_validation_message():
 
 
 def test_train_step_compiles_once(model_and_params):
-  model, params = model_and_params
+  model, params, axes = model_and_params
   p = partitioning.Partitioner()
   t = trainer.Trainer(model=model, partitioner=p)
   # The step donates its state: copies keep the shared fixture's arrays alive.
-  state = TrainState.create(jax.tree.map(jnp.copy, params), optimizers.adafactor(0.01))
+  state = TrainState.create(jax.tree.map(jnp.copy, params), optimizers.adafactor(0.01),
+                             axes)
   import flax.linen as nn
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
@@ -110,7 +111,7 @@ def test_train_step_compiles_once(model_and_params):
 
 def test_eval_metrics_weigh_batches_by_tokens_not_one_vote_each(model_and_params):
   from t5lite import metrics as metrics_lib
-  model, params = model_and_params
+  model, params, axes = model_and_params
   full = jax.tree.map(jnp.asarray, _batch(0))
   # The second batch weighs a single token: averaged per batch it would count
   # as much as the 40-odd tokens of the first.
@@ -133,7 +134,7 @@ def test_eval_metrics_weigh_batches_by_tokens_not_one_vote_each(model_and_params
 
 def test_a_batch_without_loss_weights_gives_no_nan(model_and_params):
   from t5lite import metrics as metrics_lib
-  model, params = model_and_params
+  model, params, axes = model_and_params
   full = jax.tree.map(jnp.asarray, _batch(0))
   empty = dict(full, decoder_loss_weights=jnp.zeros((B, LT)))
   step = jax.jit(lambda p, b: trainer.eval_step(p, b, model=model))
@@ -144,7 +145,7 @@ def test_a_batch_without_loss_weights_gives_no_nan(model_and_params):
   assert (metrics_lib.merge_and_compute([step(params, full), step(params, empty)])
           == metrics_lib.merge_and_compute([step(params, full)]))
   # The train step's per-step metrics are finite too.
-  state = TrainState.create(params, optimizers.adafactor(optimizers.constant(0.01)))
+  state = TrainState.create(params, optimizers.adafactor(optimizers.constant(0.01)), axes)
   step = jax.jit(lambda s, b: trainer.train_step(s, b, model=model, dropout_seed=0,
                                                  num_microbatches=None))
   _, metrics = step(state, empty)

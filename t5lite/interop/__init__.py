@@ -203,6 +203,95 @@ def load_params(path: str, abstract_params: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _plan_t5x_adafactor(path: str, abstract_params: Any, abstract_slots: Any
+                        ) -> tuple[lazy.LazyArray, dict[str, dict[str, lazy.LazyArray | None]]]:
+  """(T5X's step, field -> t5lite parameter name -> slot or None), checked
+  against the configured Adafactor's slots before any data is read."""
+  if checkpoint_format(path) != T5X:
+    raise ValueError(f"{path} holds no optimizer state t5lite can continue (only T5X "
+                     "checkpoints do): fine-tune from its parameters "
+                     "(RestoreCheckpointConfig.params_only = True).")
+  checkpoint = t5x.T5xCheckpoint(path)
+  if any(re.match(r"target/(encoder|decoder)/layers/", name) for name in checkpoint.arrays):
+    raise ValueError(f"{checkpoint.path} stacks its layers (scan): t5lite continues only the "
+                     "optimizer state of unstacked T5X checkpoints; fine-tune from its "
+                     "parameters (RestoreCheckpointConfig.params_only = True).")
+  layout = t5x.t5x_layout(checkpoint)
+  slots = checkpoint.optimizer_arrays()
+  if "state/step" not in slots:
+    raise ValueError(f"{checkpoint.path} has no optimizer step (state/step).")
+  targets = tree_paths.leaves_by_name(abstract_params)
+  fields = {f: tree_paths.leaves_by_name(getattr(abstract_slots, f))
+            for f in ("v_row", "v_col", "v", "m")}
+  chosen: dict[str, dict[str, lazy.LazyArray | None]] = {f: {} for f in fields}
+  problems = []
+  for name, target in targets.items():
+    sources = _source_names(name, target, targets)
+    stacked = sources != [name]
+    per_layer = []
+    for source in sources:
+      shapes = {"param": tuple(target.shape[1:] if stacked else target.shape)}
+      for f, leaves in fields.items():
+        shape = tuple(leaves[name].shape)
+        shapes[f] = shape[1:] if stacked and len(shape) == len(target.shape) else shape
+      try:
+        per_layer.append(t5x.adafactor_slots(checkpoint, source, shapes, layout, slots))
+      except ValueError as e:
+        problems.append(str(e))
+        break
+    if len(per_layer) != len(sources):
+      continue
+    for f in fields:
+      parts = [layer[f] for layer in per_layer]
+      chosen[f][name] = (None if parts[0] is None else
+                         lazy.stack(parts) if stacked else parts[0])
+  if problems:
+    more = f"; and {len(problems) - _MAX_PROBLEMS} more" if len(problems) > _MAX_PROBLEMS else ""
+    raise ValueError(f"The Adafactor state of {checkpoint.path} does not fit the configured "
+                     f"optimizer: {'; '.join(problems[:_MAX_PROBLEMS])}{more}. Configure "
+                     "optimizers.adafactor as the T5X run did (t5lite-import writes it), or "
+                     "fine-tune from its parameters (RestoreCheckpointConfig.params_only = "
+                     "True).")
+  return slots["state/step"], chosen
+
+
+def check_t5x_adafactor_fits(path: str, abstract_params: Any, abstract_slots: Any) -> None:
+  """Raises the ValueError of `load_t5x_adafactor` if the T5X optimizer state
+  does not fit the configured Adafactor; reads no data but the step."""
+  _plan_t5x_adafactor(path, abstract_params, abstract_slots)
+
+
+def load_t5x_adafactor(path: str, abstract_params: Any, fresh_slots: Any) -> tuple[int, Any]:
+  """A T5X checkpoint's Adafactor state (step and slots) in t5lite's layout.
+
+  Args:
+    path: a T5X checkpoint (unstacked layers).
+    abstract_params: the model's parameter tree of ShapeDtypeStructs.
+    fresh_slots: the configured Adafactor's freshly initialised state
+      (`adafactor.AdafactorState` of sharded arrays); its placeholders are
+      kept, every statistic is read into its sharding.
+
+  Returns:
+    (T5X's step, `fresh_slots` with T5X's statistics and momentum; its
+    `count` is left for the caller to set).
+
+  Raises:
+    ValueError: not a T5X checkpoint, stacked layers, or slots that do not
+      fit (another factoring, momentum on one side only).
+  """
+  step, chosen = _plan_t5x_adafactor(path, abstract_params, fresh_slots)
+  loaded = {}
+  for f, by_name in chosen.items():
+    flat, treedef = jax.tree_util.tree_flatten_with_path(getattr(fresh_slots, f))
+    leaves = []
+    for key_path, fresh in flat:
+      source = by_name[tree_paths.path_name(key_path)]
+      leaves.append(fresh if source is None else lazy.materialize(
+          source, jax.ShapeDtypeStruct(fresh.shape, fresh.dtype, sharding=fresh.sharding)))
+    loaded[f] = jax.tree_util.tree_unflatten(treedef, leaves)
+  return int(step.read()), fresh_slots._replace(**loaded)
+
+
 def export_fields(model: Any) -> dict[str, Any]:
   """The `TransformerConfig` fields of a model that has a Hugging Face counterpart.
 

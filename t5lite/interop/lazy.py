@@ -122,6 +122,56 @@ def stack(parts: Sequence[LazyArray]) -> LazyArray:
   return LazyArray((len(parts),) + first.shape, first.dtype, reader, first.origin)
 
 
+def _squeeze(x: LazyArray) -> LazyArray:
+  """`x` without its size-1 axes."""
+  kept = [d for d, n in enumerate(x.shape) if n != 1]
+  if len(kept) == len(x.shape):
+    return x
+
+  def reader(index: Index) -> np.ndarray:
+    it = iter(index)
+    source = tuple(next(it) if d in kept else slice(0, 1) for d in range(len(x.shape)))
+    return x.read(source).reshape([s.stop - s.start for s in index])
+
+  return LazyArray(tuple(x.shape[d] for d in kept), x.dtype, reader, x.origin)
+
+
+def _expand(x: LazyArray, shape: tuple[int, ...]) -> LazyArray:
+  """`x` with size-1 axes inserted to make `shape` (whose other sizes are x's)."""
+  kept = [d for d, n in enumerate(shape) if n != 1]
+
+  def reader(index: Index) -> np.ndarray:
+    block = x.read(tuple(index[d] for d in kept))
+    return block.reshape([s.stop - s.start for s in index])
+
+  return LazyArray(tuple(shape), x.dtype, reader, x.origin)
+
+
+def reshape(x: LazyArray, shape: Sequence[int]) -> LazyArray:
+  """`x` reshaped (row-major) by splitting axes and adding or removing size-1
+  axes, e.g. a T5X `[heads*head_dim]` statistic as `[1, heads, head_dim]`.
+
+  Raises:
+    ValueError: a reshape that would merge axes or move data across them.
+  """
+  shape = tuple(int(n) for n in shape)
+  x = _squeeze(x)
+  wanted = [n for n in shape if n != 1]
+  axis, position = 0, 0
+  while axis < len(wanted):
+    if position >= len(x.shape):
+      raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+    if x.shape[position] == wanted[axis]:
+      axis, position = axis + 1, position + 1
+      continue
+    if x.shape[position] % wanted[axis] or x.shape[position] == wanted[axis]:
+      raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+    x = split_axis(x, position, (wanted[axis], x.shape[position] // wanted[axis]))
+  if len(x.shape) != len(wanted):
+    raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+  return _expand(x, shape)
+
+
 def materialize(x: LazyArray, target: jax.ShapeDtypeStruct) -> jax.Array:
   """Reads `x` into a global jax.Array with the target's sharding and dtype.
 

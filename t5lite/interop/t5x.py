@@ -60,15 +60,21 @@ class T5xCheckpoint:
     self.step = int(_STEP_DIR.search(self.path).group(1))
     if os.path.isfile(os.path.join(self.path, "checkpoint")):
       self.format = "legacy"
-      self.arrays = _legacy_arrays(self.path)
+      self.arrays = _legacy_arrays(self.path, "target")
     elif os.path.isdir(os.path.join(self.path, "state")):
       self.format = "orbax"
-      self.arrays = _orbax_arrays(os.path.join(self.path, "state"))
+      self.arrays = _orbax_arrays(os.path.join(self.path, "state"), "target")
     else:
       raise ValueError(f"{self.path} is neither T5X format: it has no 'checkpoint' msgpack "
                        "file and no Orbax 'state/' directory.")
     if not self.arrays:
       raise ValueError(f"{self.path} holds no model parameters (nothing under 'target').")
+
+  def optimizer_arrays(self) -> dict[str, lazy.LazyArray]:
+    """The optimizer's arrays: `state/step` and `state/param_states/<param>/<slot>`."""
+    if self.format == "legacy":
+      return _legacy_arrays(self.path, "state")
+    return _orbax_arrays(os.path.join(self.path, "state"), "state")
 
 
 def is_t5x(path: str) -> bool:
@@ -112,8 +118,9 @@ def _open_zarr(spec: dict[str, Any], origin: str) -> lazy.LazyArray:
                         lambda index: store[index].read().result(), origin)
 
 
-def _orbax_arrays(state_dir: str) -> dict[str, lazy.LazyArray]:
-  """Parameters of an Orbax `state/` item, named by their tree paths."""
+def _orbax_arrays(state_dir: str, root: str) -> dict[str, lazy.LazyArray]:
+  """The arrays of an Orbax `state/` item under `root` ('target' for the
+  parameters, 'state' for the optimizer's), named by their tree paths."""
   metadata_file = os.path.join(state_dir, "_METADATA")
   if not os.path.isfile(metadata_file):
     raise ValueError(f"{state_dir} has no _METADATA file: an incomplete Orbax checkpoint.")
@@ -123,7 +130,7 @@ def _orbax_arrays(state_dir: str) -> dict[str, lazy.LazyArray]:
   arrays = {}
   for key in tree:
     names = [str(k) for k in ast.literal_eval(key)]
-    if names[0] != "target":
+    if names[0] != root:
       continue
     dotted = ".".join(names)
     if ocdbt:
@@ -135,17 +142,18 @@ def _orbax_arrays(state_dir: str) -> dict[str, lazy.LazyArray]:
   return arrays
 
 
-def _legacy_arrays(step_dir: str) -> dict[str, lazy.LazyArray]:
-  """Parameters of a legacy msgpack + tensorstore checkpoint."""
+def _legacy_arrays(step_dir: str, root: str) -> dict[str, lazy.LazyArray]:
+  """The arrays of a legacy msgpack + tensorstore checkpoint under
+  `optimizer/<root>` ('target' or 'state'), named `<root>/...`."""
   file = os.path.join(step_dir, "checkpoint")
   with open(file, "rb") as f:
     try:
       contents = serialization.msgpack_restore(f.read())
     except Exception as e:  # msgpack raises several unrelated types.
       raise ValueError(f"{file} is not a readable T5X msgpack checkpoint ({e}).") from None
-  target = contents.get("optimizer", {}).get("target") if isinstance(contents, dict) else None
+  target = contents.get("optimizer", {}).get(root) if isinstance(contents, dict) else None
   if not isinstance(target, dict):
-    raise ValueError(f"{file} has no optimizer/target tree: not a T5X checkpoint.")
+    raise ValueError(f"{file} has no optimizer/{root} tree: not a T5X checkpoint.")
   arrays = {}
 
   def visit(node: Any, names: list[str]) -> None:
@@ -153,7 +161,7 @@ def _legacy_arrays(step_dir: str) -> dict[str, lazy.LazyArray]:
       for key, child in node.items():
         visit(child, names + [str(key)])
       return
-    name = "/".join(["target"] + names)
+    name = "/".join([root] + names)
     if isinstance(node, dict):
       spec = dict(node)
       relative = spec["kvstore"]["path"]
@@ -205,7 +213,14 @@ def to_t5lite(checkpoint: T5xCheckpoint, layers_axis: int = 1) -> dict[str, lazy
   Raises:
     ValueError: an attention kernel whose heads cannot be found.
   """
-  params = {name[len("target/"):]: array for name, array in checkpoint.arrays.items()}
+  return t5lite_names({name[len("target/"):]: array for name, array in checkpoint.arrays.items()},
+                      layers_axis)
+
+
+def t5lite_names(params: dict[str, lazy.LazyArray], layers_axis: int = 1
+                 ) -> dict[str, lazy.LazyArray]:
+  """`to_t5lite` on arrays named and shaped like T5X's parameters (without
+  the `target/` prefix): also what maps a parameter-shaped optimizer slot."""
   params = _unstack_layers(params, layers_axis)
   # scalable_t5 keeps a table in every layer (t5lite: relpos_per_layer=True).
   params = {name.replace("/relative_posemb/", "/relpos_bias/"): array
@@ -291,3 +306,119 @@ def model_fields(checkpoint: T5xCheckpoint) -> tuple[str, dict[str, Any], tuple[
     fields["relpos_per_layer"] = True
   network = gin_file.ENCODER_DECODER if depth["encoder"] else gin_file.DECODER_ONLY
   return network, fields, _vocabulary(config)
+
+
+# ---------------------------------------------------------------------------
+# Adafactor state
+
+
+def t5x_layout(checkpoint: T5xCheckpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """t5lite unscanned parameter name -> (T5X parameter path, T5X shape)."""
+  tagged = {name[len("target/"):]: lazy.LazyArray(array.shape, array.dtype, array.reader,
+                                                   name[len("target/"):])
+            for name, array in checkpoint.arrays.items()}
+  shapes = {name[len("target/"):]: tuple(array.shape)
+            for name, array in checkpoint.arrays.items()}
+  return {name: (array.origin, shapes[array.origin])
+          for name, array in t5lite_names(tagged).items()}
+
+
+def _groups(shape: tuple[int, ...], t5x_shape: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+  """t5lite dimensions grouped into T5X's (consecutive products), or None."""
+  groups, d = [], 0
+  for size in t5x_shape:
+    group, product = [], 1
+    while d < len(shape) and (product < size or not group):
+      group.append(d)
+      product *= shape[d]
+      d += 1
+    if product != size:
+      return None
+    groups.append(tuple(group))
+  return groups if d == len(shape) else None
+
+
+def _reduced_dims(param: tuple[int, ...], statistic: tuple[int, ...]) -> set[int]:
+  return {d for d, (n, m) in enumerate(zip(param, statistic)) if m == 1 and n != 1}
+
+
+def _factored_slots(name: str, shapes: dict[str, tuple[int, ...]], t5x_shape: tuple[int, ...],
+                    t5x_row: lazy.LazyArray, t5x_col: lazy.LazyArray
+                    ) -> tuple[lazy.LazyArray, lazy.LazyArray]:
+  """T5X's v_row, v_col as t5lite's, matched by meaning: T5X factored its
+  matrix by size (rows: the smaller dimension, the first on a tie)."""
+  param = shapes["param"]
+  groups = _groups(param, t5x_shape)
+  if len(t5x_shape) != 2 or groups is None:
+    raise ValueError(f"{name}: T5X's factored statistics of a {t5x_shape} parameter cannot be "
+                     "placed")
+  order = np.argsort(t5x_shape)
+  t5x_rows, t5x_cols = int(order[-2]), int(order[-1])
+  if t5x_row.shape != (t5x_shape[t5x_rows],) or t5x_col.shape != (t5x_shape[t5x_cols],):
+    raise ValueError(f"{name}: T5X's v_row {t5x_row.shape} / v_col {t5x_col.shape} are not its "
+                     f"size rule's for {t5x_shape}")
+  ours_rows = _reduced_dims(param, shapes["v_col"])  # v_col reduces the rows
+  ours_cols = _reduced_dims(param, shapes["v_row"])
+  as_t5x = lambda dims: {i for i, g in enumerate(groups) if set(g) & dims}  # noqa: E731
+  if (as_t5x(ours_rows), as_t5x(ours_cols)) == ({t5x_rows}, {t5x_cols}):
+    pair = t5x_row, t5x_col
+  elif (as_t5x(ours_rows), as_t5x(ours_cols)) == ({t5x_cols}, {t5x_rows}):
+    # The estimate is symmetric in rows and columns; only the names differ.
+    pair = t5x_col, t5x_row
+  else:
+    raise ValueError(f"{name}: T5X factored it over other dimensions than the configured "
+                     "Adafactor does")
+  return lazy.reshape(pair[0], shapes["v_row"]), lazy.reshape(pair[1], shapes["v_col"])
+
+
+def adafactor_slots(checkpoint: T5xCheckpoint, name: str, shapes: dict[str, tuple[int, ...]],
+                    layout: dict[str, tuple[str, tuple[int, ...]]],
+                    slots: dict[str, lazy.LazyArray]) -> dict[str, lazy.LazyArray | None]:
+  """One parameter's T5X Adafactor slots in t5lite's layout.
+
+  Args:
+    checkpoint: the T5X checkpoint (for messages).
+    name: t5lite's unscanned parameter name.
+    shapes: t5lite's shapes of 'param', 'v_row', 'v_col', 'v', 'm' (the
+      statistics keep every dimension, reduced ones with size 1).
+    layout: from `t5x_layout`.
+    slots: `T5xCheckpoint.optimizer_arrays()`.
+
+  Returns:
+    field -> LazyArray of t5lite's shape, or None where t5lite keeps a
+    placeholder.
+
+  Raises:
+    ValueError: the slots do not fit (another factoring, momentum on one
+      side only, a parameter T5X does not have).
+  """
+  if name not in layout:
+    raise ValueError(f"{name}: not in {checkpoint.path}")
+  t5x_name, t5x_shape = layout[name]
+  found = {field: slots.get(f"state/param_states/{t5x_name}/{field}")
+           for field in ("v_row", "v_col", "v", "m")}
+  if any(array is None for array in found.values()):
+    raise ValueError(f"{name}: {checkpoint.path} has no Adafactor slots (v_row, v_col, v, m) "
+                     f"for {t5x_name}")
+  size = int(np.prod(t5x_shape))
+  t5x_factored = found["v"].size == 1 and size > 1
+  ours_factored = int(np.prod(shapes["v"])) == 1 and size > 1
+  if t5x_factored != ours_factored:
+    kind = lambda factored: "factored" if factored else "full"  # noqa: E731
+    raise ValueError(f"{name}: T5X keeps a {kind(t5x_factored)} second moment, the configured "
+                     f"Adafactor a {kind(ours_factored)} one")
+  out = {"v_row": None, "v_col": None, "v": None, "m": None}
+  if ours_factored:
+    out["v_row"], out["v_col"] = _factored_slots(name, shapes, t5x_shape, found["v_row"],
+                                                 found["v_col"])
+  else:
+    out["v"] = lazy.reshape(found["v"], shapes["v"])
+  t5x_momentum = found["m"].size == size and size > 1
+  ours_momentum = tuple(shapes["m"]) == tuple(shapes["param"]) and size > 1
+  if t5x_momentum != ours_momentum:
+    raise ValueError(f"{name}: T5X's state {'has' if t5x_momentum else 'has no'} momentum (m) "
+                     f"but the configured Adafactor {'has' if ours_momentum else 'has none'} "
+                     "(optimizers.adafactor.beta1)")
+  if ours_momentum:
+    out["m"] = lazy.reshape(found["m"], shapes["m"])
+  return out

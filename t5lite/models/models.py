@@ -38,19 +38,24 @@ Params = Any
 
 
 def token_loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0,
-                    label_smoothing: float = 0.0) -> dict[str, Array]:
+                    label_smoothing: float = 0.0, loss_weights: Array | None = None
+                    ) -> dict[str, Array]:
   """Weighted sums of the per-token loss terms of a batch, in float32.
 
   Cross-entropy uses T5X-style label smoothing: the target gets
   `1 - label_smoothing` and the rest is spread over the other ids, and the
   entropy of that soft target is subtracted so a perfect prediction scores 0.
+  The z-loss is T5X's `z_loss * logsumexp(logits)**2` per token.
 
   Args:
     logits: `[batch, length, vocab]`.
     targets: `[batch, length]` integer ids.
-    weights: `[batch, length]` loss weights (0 drops a token).
+    weights: `[batch, length]` token weights (0 drops a token): the counts
+      and the accuracy.
     z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
     label_smoothing: probability mass moved off the target id.
+    loss_weights: `[batch, length]` weights of the loss terms when they
+      differ from `weights` (T5X's AVERAGE_PER_SEQUENCE); None uses `weights`.
 
   Returns:
     float32 scalars: `cross_ent_sum`, `z_loss_sum`, `correct_sum`,
@@ -58,6 +63,7 @@ def token_loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float
   """
   logits = logits.astype(jnp.float32)
   weights = weights.astype(jnp.float32)
+  loss_weights = weights if loss_weights is None else loss_weights.astype(jnp.float32)
   vocab_size = logits.shape[-1]
   confidence = 1.0 - label_smoothing
   low_confidence = label_smoothing / (vocab_size - 1)
@@ -72,8 +78,8 @@ def token_loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float
   cross_ent = -jnp.sum(soft_targets * log_probs, axis=-1) - normalizing_constant
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   return {
-      "cross_ent_sum": jnp.sum(weights * cross_ent),
-      "z_loss_sum": jnp.sum(weights * z_loss * jnp.square(log_z)),
+      "cross_ent_sum": jnp.sum(loss_weights * cross_ent),
+      "z_loss_sum": jnp.sum(loss_weights * z_loss * jnp.square(log_z)),
       "correct_sum": jnp.sum(weights * correct),
       "weight_sum": jnp.sum(weights),
       "num_examples": jnp.sum(jnp.any(weights != 0, axis=-1)).astype(jnp.float32),
@@ -96,6 +102,74 @@ def collect_moe_metrics(intermediates: Mapping[str, Any]) -> dict[str, Array]:
     if path[-1] in moe.METRIC_NAMES:
       found.setdefault(path[-1], []).extend(jnp.ravel(v) for v in values)
   return {name: jnp.mean(jnp.concatenate(v)) for name, v in found.items()}
+
+
+# T5X's `SpecialLossNormalizingFactor` names.
+NUM_REAL_TARGET_TOKENS = "NUM_REAL_TARGET_TOKENS"
+NUM_TOTAL_TARGET_TOKENS = "NUM_TOTAL_TARGET_TOKENS"
+AVERAGE_PER_SEQUENCE = "AVERAGE_PER_SEQUENCE"
+_SPECIAL_FACTORS = (NUM_REAL_TARGET_TOKENS, NUM_TOTAL_TARGET_TOKENS, AVERAGE_PER_SEQUENCE)
+
+
+def check_loss_normalizing_factor(value: Any) -> float | str | None:
+  """T5X's `loss_normalizing_factor` values, checked: None (a plain sum), a
+  positive number, or one of its special names (any case).
+
+  Raises:
+    ValueError: anything else.
+  """
+  if value is None:
+    return None
+  if isinstance(value, str) and value.upper() in _SPECIAL_FACTORS:
+    return value.upper()
+  if not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0:
+    return float(value)
+  raise ValueError(f"loss_normalizing_factor={value!r} must be None (sum the loss, as T5X), "
+                   f"a positive number, or one of {', '.join(repr(n) for n in _SPECIAL_FACTORS)}.")
+
+
+def _per_sequence_weight_sums(weights: Array, segment_ids: Array | None) -> Array:
+  """Each token's sequence total of `weights` `[batch, length]`: per packed
+  segment when `segment_ids` are given (padding, segment 0, sums together)."""
+  if segment_ids is None:
+    return jnp.sum(weights, axis=-1, keepdims=True)
+  rows, length = weights.shape
+  # One group per (row, segment): segment ids are below `length + 1`.
+  groups = segment_ids.astype(jnp.int32) + (length + 1) * jnp.arange(rows)[:, None]
+  totals = jax.ops.segment_sum(weights.ravel(), groups.ravel(),
+                               num_segments=rows * (length + 1))
+  return totals[groups]
+
+
+def normalized_loss_weights(mode: float | str | None, batch: Batch
+                            ) -> tuple[Array, Array | None]:
+  """T5X's `get_loss_normalizing_factor_and_weights`, for one batch.
+
+  Args:
+    mode: a value of `check_loss_normalizing_factor`.
+    batch: with `decoder_target_tokens` and optionally
+      `decoder_loss_weights` (else non-zero targets weigh 1, as in T5X) and
+      `decoder_segment_ids` (packed).
+
+  Returns:
+    (per-token loss weights, float32 divisor or None for a plain sum).
+    AVERAGE_PER_SEQUENCE divides each token's weight by its sequence's total
+    and the loss by the number of sequences so weighted.
+  """
+  targets = batch["decoder_target_tokens"]
+  weights = batch.get("decoder_loss_weights")
+  weights = (targets > 0 if weights is None else weights).astype(jnp.float32)
+  if mode is None:
+    return weights, None
+  if mode == NUM_REAL_TARGET_TOKENS:
+    return weights, jnp.sum(weights)
+  if mode == NUM_TOTAL_TARGET_TOKENS:
+    return weights, jnp.asarray(np.prod(targets.shape), jnp.float32)
+  if mode == AVERAGE_PER_SEQUENCE:
+    totals = _per_sequence_weight_sums(weights, batch.get("decoder_segment_ids"))
+    weights = jnp.nan_to_num(weights / totals, nan=0.0, posinf=0.0, neginf=0.0)
+    return weights, jnp.sum(weights)
+  return weights, jnp.asarray(mode, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +219,7 @@ class BaseModel(abc.ABC):
                output_vocabulary: seqio.Vocabulary,
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
-               loss_normalizing_factor: float | None = None,
+               loss_normalizing_factor: float | str | None = NUM_REAL_TARGET_TOKENS,
                aux_loss_factor: float = 1e-2, router_z_loss_factor: float = 1e-3,
                decode_fn: Callable[..., tuple[Array, Array]] | None = None,
                max_decode_length: int | None = None):
@@ -158,8 +232,12 @@ class BaseModel(abc.ABC):
       optimizer: optax transformation, stored for the trainer.
       z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
       label_smoothing: in [0, 1).
-      loss_normalizing_factor: constant divisor of the summed loss; None
-        divides by the sum of the batch's loss weights.
+      loss_normalizing_factor: T5X's: None sums the loss over tokens; a
+        number divides that sum by it; 'NUM_REAL_TARGET_TOKENS' (t5lite's
+        default) by the batch's sum of loss weights;
+        'NUM_TOTAL_TARGET_TOKENS' by batch * target length;
+        'AVERAGE_PER_SEQUENCE' averages each sequence's tokens (per packed
+        segment), then the sequences.
       aux_loss_factor: weight of the load-balancing loss of MoE layers
         (averaged over layers); unused by dense networks.
       router_z_loss_factor: weight of the router z-loss of MoE layers (averaged
@@ -172,8 +250,8 @@ class BaseModel(abc.ABC):
 
     Raises:
       ValueError: for a negative z_loss or MoE loss weight, a
-        label_smoothing outside [0, 1), a non-positive
-        loss_normalizing_factor or max_decode_length, or a decode_fn that is
+        label_smoothing outside [0, 1), a loss_normalizing_factor T5X does
+        not have, a non-positive max_decode_length, or a decode_fn that is
         not callable.
     """
     for name, value in (("z_loss", z_loss), ("aux_loss_factor", aux_loss_factor),
@@ -182,9 +260,7 @@ class BaseModel(abc.ABC):
         raise ValueError(f"{name} must be >= 0, got {value}.")
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
-    if loss_normalizing_factor is not None and loss_normalizing_factor <= 0:
-      raise ValueError("loss_normalizing_factor must be > 0 or None (divide by the "
-                       f"sum of loss weights), got {loss_normalizing_factor}.")
+    loss_normalizing_factor = check_loss_normalizing_factor(loss_normalizing_factor)
     if max_decode_length is not None and max_decode_length < 1:
       raise ValueError(f"max_decode_length must be >= 1 or None (the length of the batch's "
                        f"decoder_input_tokens), got {max_decode_length}.")
@@ -371,18 +447,17 @@ class BaseModel(abc.ABC):
           "microbatches keep) or num_microbatches=None.")
 
   def loss_normalizer(self, batch: Batch) -> Array:
-    """The divisor of the summed loss for `batch`.
+    """The divisor of the summed loss for `batch` (see `normalized_loss_weights`).
 
     Args:
-      batch: features including `decoder_loss_weights` `[batch, length]`.
+      batch: the whole batch's features (for microbatches, the divisor is the
+        full batch's).
 
     Returns:
-      float32 scalar: `loss_normalizing_factor` if set, else the sum of the
-      loss weights.
+      float32 scalar; 1 for a plain sum (`loss_normalizing_factor=None`).
     """
-    if self.loss_normalizing_factor is not None:
-      return jnp.asarray(self.loss_normalizing_factor, jnp.float32)
-    return jnp.sum(batch["decoder_loss_weights"].astype(jnp.float32))
+    divisor = normalized_loss_weights(self.loss_normalizing_factor, batch)[1]
+    return jnp.ones((), jnp.float32) if divisor is None else divisor
 
   def _logits(self, params: Params, batch: Batch, dropout_rng: Array | None
               ) -> tuple[Array, dict[str, Array]]:
@@ -443,9 +518,10 @@ class BaseModel(abc.ABC):
       over MoE layers and divided by `num_microbatches`.
     """
     logits, moe_metrics = self._logits(params, batch, dropout_rng)
+    loss_weights, _ = normalized_loss_weights(self.loss_normalizing_factor, batch)
     sums = token_loss_sums(logits, batch["decoder_target_tokens"],
                            batch["decoder_loss_weights"], self.z_loss,
-                           self.label_smoothing)
+                           self.label_smoothing, loss_weights)
     if loss_normalizer is None:
       loss_normalizer = self.loss_normalizer(batch)
     loss_normalizer = jnp.asarray(loss_normalizer, jnp.float32)
@@ -682,7 +758,7 @@ class DecoderOnlyModel(BaseModel):
                output_vocabulary: seqio.Vocabulary,
                optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
-               loss_normalizing_factor: float | None = None,
+               loss_normalizing_factor: float | str | None = NUM_REAL_TARGET_TOKENS,
                inputs_bidirectional_attention: bool = False,
                aux_loss_factor: float = 1e-2, router_z_loss_factor: float = 1e-3,
                decode_fn: Callable[..., tuple[Array, Array]] | None = None,
@@ -696,7 +772,7 @@ class DecoderOnlyModel(BaseModel):
       optimizer: optax transformation, stored for the trainer.
       z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
       label_smoothing: in [0, 1).
-      loss_normalizing_factor: constant divisor, or None for the weight sum.
+      loss_normalizing_factor: see `BaseModel`.
       inputs_bidirectional_attention: prefix-LM: bidirectional attention over
         the inputs part of each example.
       aux_loss_factor: weight of the MoE load-balancing loss.

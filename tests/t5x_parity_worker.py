@@ -1,0 +1,172 @@
+"""Runs t5lite on T5X's recorded runs (tests/data/t5x_train/) and prints what it
+measured, as JSON: the per-step losses and each parameter's gap to T5X's
+checkpoints. `test_t5x_training.py` starts it in a process of its own with
+XLA's default settings, as `t5lite-train` compiles (the test suite compiles
+with LLVM optimisation off, which rounds differently).
+
+  python tests/t5x_parity_worker.py CASE WORKDIR
+"""
+
+import os
+
+import gin
+import jax
+import numpy as np
+
+from t5lite import checkpoints as ckpt_lib
+from t5lite import cli
+from t5lite import optimizers
+from t5lite import partitioning
+from t5lite import state_init
+from t5lite import trainer as trainer_lib
+from t5lite import interop
+from t5lite.interop import gin_file
+from t5lite.interop import t5x
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
+ENCDEC_A = os.path.join(DATA, "encdec_a")
+STEPS = 30
+
+
+def _load(name):
+  with np.load(os.path.join(DATA, name), allow_pickle=False) as f:
+    return dict(f)
+
+
+BATCHES = _load("encdec_a/batches.npz")
+METRICS = _load("encdec_a/metrics.npz")
+
+
+def _model(tmp_path, source, bindings=()):
+  """The model of the gin file t5lite-import writes for `source`, with its recipe."""
+  path = str(tmp_path / "imported.gin")
+  _, network, fields, vocabulary = interop.describe(source)
+  text = gin_file.model_gin(network, fields, vocabulary, source) + RECIPE
+  with open(path, "w") as f:
+    f.write(text)
+  gin.config.clear_config(clear_constants=True)
+  cli.parse_gin([path], ["MODEL_DIR = 'unused'", "TRAIN_STEPS = 30", *bindings],
+                cli.gin_search_paths([]))
+  return gin.query_parameter("%MODEL").scoped_configurable_fn()
+
+
+RECIPE = """
+optimizers.adafactor.decay_rate = 0.8
+optimizers.adafactor.step_offset = 0
+optimizers.adafactor.logical_factor_rules = @optimizers.standard_logical_factor_rules()
+LEARNING_RATE = @optimizers.create_learning_rate_scheduler()
+optimizers.create_learning_rate_scheduler.factors = 'constant * rsqrt_decay'
+optimizers.create_learning_rate_scheduler.base_learning_rate = 1.0
+optimizers.create_learning_rate_scheduler.warmup_steps = 100
+models.EncoderDecoderModel.loss_normalizing_factor = None
+models.EncoderDecoderModel.z_loss = 1e-4
+"""
+
+
+class _Run:
+  """T5X's batches through t5lite's own import, state shardings and train step."""
+
+  def __init__(self, model, model_dir, restore_path, params_only=True, mesh=None):
+    self.partitioner = partitioning.Partitioner(mesh_shape=mesh or {"data": 1},
+                                                devices=jax.devices()[:1])
+    shapes = {k: v.shape[1:] for k, v in BATCHES.items()}
+    types = {k: np.dtype(v.dtype) for k, v in BATCHES.items()}
+    self.specs, init_fn = state_init.state_specs(model, self.partitioner, shapes, types)
+    self.batch_shardings = self.partitioner.batch_shardings(shapes)
+    step_fn = trainer_lib.Trainer(model, self.partitioner).compile_train_step(
+        self.specs.shardings, self.batch_shardings)
+    self.step_fn = step_fn
+    restore = ckpt_lib.RestoreCheckpointConfig(path=restore_path, mode="specific",
+                                               params_only=params_only)
+    checkpointer = ckpt_lib.Checkpointer(str(model_dir), None)
+    self.state, self.start = state_init.init_or_restore(
+        specs=self.specs, init_fn=init_fn, partitioner=self.partitioner,
+        checkpointer=checkpointer, restore_cfg=restore, seed=0)
+    checkpointer.close()
+
+  def train(self, end):
+    """Steps start+1..end on T5X's batches; the logged losses."""
+    losses = []
+    with self.partitioner.activate():
+      for index in range(self.start, end):
+        batch = {k: jax.device_put(v[index], self.batch_shardings[k])
+                 for k, v in BATCHES.items()}
+        self.state, metrics = self.step_fn(self.state, batch)
+        losses.append(float(metrics["loss"]))
+    self.start = end
+    return np.array(losses)
+
+
+def _t5x_params(step):
+  """T5X's parameters after `step` updates, in t5lite's names and shapes."""
+  arrays = t5x.to_t5lite(t5x.T5xCheckpoint(os.path.join(ENCDEC_A, f"checkpoint_{step}")))
+  return {name: array.read() for name, array in arrays.items()}
+
+
+def _param_gaps(params, step):
+  """Per tensor: max |t5lite - T5X| / max |T5X|, keyed by name."""
+  want = _t5x_params(step)
+  got = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    got[name] = np.asarray(leaf)
+  if "encoder/layers" in " ".join(got) and "encoder/layers_0" not in " ".join(got):
+    got = _unscan(got)
+  assert set(got) == set(want)
+  return {name: float(np.max(np.abs(got[name] - want[name])) / np.max(np.abs(want[name])))
+          for name in want}
+
+
+def _unscan(params):
+  out = {}
+  for name, value in params.items():
+    parts = name.split("/")
+    if len(parts) > 1 and parts[1] == "layers":
+      for i, layer in enumerate(value):
+        out["/".join([parts[0], f"layers_{i}", *parts[2:]])] = layer
+    else:
+      out[name] = value
+  return out
+
+
+
+def _measure(run, checkpoints, end):
+  """Trains to `end`, recording the gaps at each of `checkpoints` on the way."""
+  losses, gaps = [], {}
+  for step in [*checkpoints, end]:
+    if step > run.start:
+      losses.extend(run.train(step).tolist())
+    if step in checkpoints or step == end:
+      gaps[step] = _param_gaps(run.state.params, step)
+  return {"losses": losses, "gaps": {str(k): v for k, v in gaps.items()},
+          "learning_rate": float(optimizers.learning_rate_from_state(run.state.opt_state))}
+
+
+def start(workdir, scan_layers=False):
+  """Thirty steps from T5X's checkpoint_0."""
+  source = os.path.join(ENCDEC_A, "checkpoint_0")
+  model = _model(workdir, source, [f"transformer.TransformerConfig.scan_layers = {scan_layers}"])
+  return _measure(_Run(model, workdir / "run", source), [10], STEPS)
+
+
+def start_scanned(workdir):
+  return start(workdir, scan_layers=True)
+
+
+def resume(workdir):
+  """T5X's run continued from checkpoint_10, its Adafactor state included."""
+  source = os.path.join(ENCDEC_A, "checkpoint_10")
+  model = _model(workdir, source)
+  run = _Run(model, workdir / "run", source, params_only=False)
+  assert run.start == 10, run.start
+  return _measure(run, [], STEPS)
+
+
+CASES = {"start": start, "start_scanned": start_scanned, "resume": resume}
+
+
+if __name__ == "__main__":
+  import json
+  import pathlib
+  import sys
+  print("RESULT " + json.dumps(CASES[sys.argv[1]](pathlib.Path(sys.argv[2]))))
