@@ -1,5 +1,6 @@
 """Learners, wrappers and schedules against updates worked out by hand in numpy."""
 
+import json
 import math
 import os
 
@@ -452,3 +453,33 @@ def test_recipe_cli_run_logs_rate_and_skipped_steps(tmp_path):
   # warmup_fraction 0.05 of 4 steps is no warmup: cosine from the peak 3e-3.
   cosine = lambda s: 3e-4 + 2.7e-3 * (1 + math.cos(math.pi * s / 4)) / 2  # noqa: E731
   assert rates[4] == pytest.approx((cosine(2) + cosine(3)) / 2, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# T5X's schedules
+
+
+def _t5x_schedules():
+  path = os.path.join(os.path.dirname(__file__), "data", "t5x_train", "schedules.npz")
+  with np.load(path, allow_pickle=False) as f:
+    return [json.loads(c) for c in f["configs"]], f["steps"], f["values"]
+
+
+def test_create_learning_rate_scheduler_gives_t5x_s_values():
+  # T5X's own values (make_schedules.py), computed under jit as in its train step.
+  configs, steps, values = _t5x_schedules()
+  assert {f.strip() for c in configs for f in c["factors"].split("*")} == {
+      "constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay", "linear_decay",
+      "cosine_decay", "decay_every"}
+  for config, want in zip(configs, values):
+    schedule = jax.jit(optimizers.create_learning_rate_scheduler(**config))
+    got = np.array([schedule(jnp.asarray(step, jnp.int32)) for step in steps])
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0, err_msg=config["factors"])
+
+
+def test_create_learning_rate_scheduler_refuses_unknown_factors():
+  with pytest.raises(ValueError, match=r"factor\(s\) \['rsqrt_decy'\] .* are unknown; choose "
+                                       r"from constant, linear_warmup"):
+    optimizers.create_learning_rate_scheduler("constant * rsqrt_decy")
+  with pytest.raises(ValueError, match="'linear_warmup' needs a positive step count"):
+    optimizers.create_learning_rate_scheduler("linear_warmup", warmup_steps=0)

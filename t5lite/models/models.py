@@ -172,6 +172,37 @@ def normalized_loss_weights(mode: float | str | None, batch: Batch
   return weights, jnp.asarray(mode, jnp.float32)
 
 
+def normalized_loss(logits: Array, batch: Batch, *, z_loss: float, label_smoothing: float,
+                    loss_normalizing_factor: float | str | None,
+                    loss_normalizer: Array | None = None) -> tuple[Array, dict[str, Array]]:
+  """T5X's training loss of `logits` on `batch` and the statistics' sums.
+
+  Args:
+    logits: `[batch, length, vocab]`.
+    batch: `decoder_target_tokens`, `decoder_loss_weights` (and for
+      AVERAGE_PER_SEQUENCE of packed rows `decoder_segment_ids`).
+    z_loss: see `token_loss_sums`.
+    label_smoothing: see `token_loss_sums`.
+    loss_normalizing_factor: see `normalized_loss_weights`.
+    loss_normalizer: the divisor; None computes it from `batch` (a
+      microbatch is given its whole batch's).
+
+  Returns:
+    (sum of the weighted cross-entropy and z-loss over the divisor, the
+    sums of `token_loss_sums`). A zero divisor (no weighted token) gives 0.
+  """
+  loss_weights, divisor = normalized_loss_weights(loss_normalizing_factor, batch)
+  sums = token_loss_sums(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"],
+                         z_loss, label_smoothing, loss_weights)
+  if loss_normalizer is None:
+    loss_normalizer = jnp.ones((), jnp.float32) if divisor is None else divisor
+  loss_normalizer = jnp.asarray(loss_normalizer, jnp.float32)
+  # With no weighted tokens the numerator is 0 too; dividing by 1 keeps the
+  # loss and its gradient finite instead of 0/0.
+  safe_normalizer = jnp.where(loss_normalizer == 0, 1.0, loss_normalizer)
+  return (sums["cross_ent_sum"] + sums["z_loss_sum"]) / safe_normalizer, sums
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeStart:
   """What a decoder starts from (see `t5lite.decoding`).
@@ -518,17 +549,10 @@ class BaseModel(abc.ABC):
       over MoE layers and divided by `num_microbatches`.
     """
     logits, moe_metrics = self._logits(params, batch, dropout_rng)
-    loss_weights, _ = normalized_loss_weights(self.loss_normalizing_factor, batch)
-    sums = token_loss_sums(logits, batch["decoder_target_tokens"],
-                           batch["decoder_loss_weights"], self.z_loss,
-                           self.label_smoothing, loss_weights)
-    if loss_normalizer is None:
-      loss_normalizer = self.loss_normalizer(batch)
-    loss_normalizer = jnp.asarray(loss_normalizer, jnp.float32)
-    # With no weighted tokens the numerator is 0 too; dividing by 1 keeps the
-    # loss and its gradient finite instead of 0/0.
-    safe_normalizer = jnp.where(loss_normalizer == 0, 1.0, loss_normalizer)
-    loss = (sums["cross_ent_sum"] + sums["z_loss_sum"]) / safe_normalizer
+    loss, sums = normalized_loss(logits, batch, z_loss=self.z_loss,
+                                 label_smoothing=self.label_smoothing,
+                                 loss_normalizing_factor=self.loss_normalizing_factor,
+                                 loss_normalizer=loss_normalizer)
     loss = self._add_moe_losses(loss, sums, moe_metrics, num_microbatches)
     return loss, sums
 
