@@ -24,8 +24,6 @@ from t5lite.interop import gin_file
 from t5lite.interop import t5x
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
-ENCDEC_A = os.path.join(DATA, "encdec_a")
-STEPS = 30
 
 
 def _load(name):
@@ -33,15 +31,13 @@ def _load(name):
     return dict(f)
 
 
-BATCHES = _load("encdec_a/batches.npz")
-METRICS = _load("encdec_a/metrics.npz")
-
-
 def _model(tmp_path, source, bindings=()):
   """The model of the gin file t5lite-import writes for `source`, with its recipe."""
   path = str(tmp_path / "imported.gin")
   _, network, fields, vocabulary = interop.describe(source)
-  text = gin_file.model_gin(network, fields, vocabulary, source) + RECIPE
+  text = gin_file.model_gin(network, fields, vocabulary, source) + RECIPE.replace(
+      "EncoderDecoderModel", "EncoderDecoderModel" if fields["num_encoder_layers"] else
+      "DecoderOnlyModel")
   with open(path, "w") as f:
     f.write(text)
   gin.config.clear_config(clear_constants=True)
@@ -66,11 +62,14 @@ models.EncoderDecoderModel.z_loss = 1e-4
 class _Run:
   """T5X's batches through t5lite's own import, state shardings and train step."""
 
-  def __init__(self, model, model_dir, restore_path, params_only=True, mesh=None):
-    self.partitioner = partitioning.Partitioner(mesh_shape=mesh or {"data": 1},
+  def __init__(self, model, model_dir, fixture, restore_step, params_only=True):
+    self.fixture = fixture
+    self.batches = _load(f"{fixture}/batches.npz")
+    restore_path = os.path.join(DATA, fixture, f"checkpoint_{restore_step}")
+    self.partitioner = partitioning.Partitioner(mesh_shape={"data": 1},
                                                 devices=jax.devices()[:1])
-    shapes = {k: v.shape[1:] for k, v in BATCHES.items()}
-    types = {k: np.dtype(v.dtype) for k, v in BATCHES.items()}
+    shapes = {k: v.shape[1:] for k, v in self.batches.items()}
+    types = {k: np.dtype(v.dtype) for k, v in self.batches.items()}
     self.specs, init_fn = state_init.state_specs(model, self.partitioner, shapes, types)
     self.batch_shardings = self.partitioner.batch_shardings(shapes)
     step_fn = trainer_lib.Trainer(model, self.partitioner).compile_train_step(
@@ -90,28 +89,27 @@ class _Run:
     with self.partitioner.activate():
       for index in range(self.start, end):
         batch = {k: jax.device_put(v[index], self.batch_shardings[k])
-                 for k, v in BATCHES.items()}
+                 for k, v in self.batches.items()}
         self.state, metrics = self.step_fn(self.state, batch)
         losses.append(float(metrics["loss"]))
     self.start = end
     return np.array(losses)
 
 
-def _t5x_params(step):
+def _t5x_params(fixture, step):
   """T5X's parameters after `step` updates, in t5lite's names and shapes."""
-  arrays = t5x.to_t5lite(t5x.T5xCheckpoint(os.path.join(ENCDEC_A, f"checkpoint_{step}")))
+  arrays = t5x.to_t5lite(t5x.T5xCheckpoint(os.path.join(DATA, fixture, f"checkpoint_{step}")))
   return {name: array.read() for name, array in arrays.items()}
 
 
-def _param_gaps(params, step):
+def _param_gaps(params, fixture, step):
   """Per tensor: max |t5lite - T5X| / max |T5X|, keyed by name."""
-  want = _t5x_params(step)
+  want = _t5x_params(fixture, step)
   got = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     name = "/".join(str(getattr(k, "key", k)) for k in path)
     got[name] = np.asarray(leaf)
-  if "encoder/layers" in " ".join(got) and "encoder/layers_0" not in " ".join(got):
-    got = _unscan(got)
+  got = _unscan(got)
   assert set(got) == set(want)
   return {name: float(np.max(np.abs(got[name] - want[name])) / np.max(np.abs(want[name])))
           for name in want}
@@ -137,32 +135,33 @@ def _measure(run, checkpoints, end):
     if step > run.start:
       losses.extend(run.train(step).tolist())
     if step in checkpoints or step == end:
-      gaps[step] = _param_gaps(run.state.params, step)
+      gaps[step] = _param_gaps(run.state.params, run.fixture, step)
   return {"losses": losses, "gaps": {str(k): v for k, v in gaps.items()},
           "learning_rate": float(optimizers.learning_rate_from_state(run.state.opt_state))}
 
 
-def start(workdir, scan_layers=False):
-  """Thirty steps from T5X's checkpoint_0."""
-  source = os.path.join(ENCDEC_A, "checkpoint_0")
-  model = _model(workdir, source, [f"transformer.TransformerConfig.scan_layers = {scan_layers}"])
-  return _measure(_Run(model, workdir / "run", source), [10], STEPS)
+def _case(fixture, restore_step, checkpoints, end, bindings=(), params_only=True):
+  def run(workdir):
+    source = os.path.join(DATA, fixture, f"checkpoint_{restore_step}")
+    model = _model(workdir, source, bindings)
+    trained = _Run(model, workdir / "run", fixture, restore_step, params_only)
+    assert trained.start == (0 if params_only else restore_step), trained.start
+    return _measure(trained, checkpoints, end)
+  return run
 
 
-def start_scanned(workdir):
-  return start(workdir, scan_layers=True)
-
-
-def resume(workdir):
-  """T5X's run continued from checkpoint_10, its Adafactor state included."""
-  source = os.path.join(ENCDEC_A, "checkpoint_10")
-  model = _model(workdir, source)
-  run = _Run(model, workdir / "run", source, params_only=False)
-  assert run.start == 10, run.start
-  return _measure(run, [], STEPS)
-
-
-CASES = {"start": start, "start_scanned": start_scanned, "resume": resume}
+SCANNED = ["transformer.TransformerConfig.scan_layers = True"]
+BFLOAT16 = ["transformer.TransformerConfig.dtype = 'bfloat16'"]
+CASES = {
+    # Thirty steps from T5X's checkpoint_0.
+    "start": _case("encdec_a", 0, [10], 30),
+    "start_scanned": _case("encdec_a", 0, [10], 30, SCANNED),
+    # T5X's run continued from checkpoint_10, its Adafactor state included.
+    "resume": _case("encdec_a", 10, [], 30, params_only=False),
+    "decoder_only": _case("deconly_b", 0, [10], 20),
+    "decoder_only_scanned": _case("deconly_b", 0, [10], 20, SCANNED),
+    "bfloat16": _case("encdec_a", 0, [], 30, BFLOAT16),
+}
 
 
 if __name__ == "__main__":

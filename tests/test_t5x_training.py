@@ -1,20 +1,23 @@
-"""Training parity with T5X: t5lite's train step reproduces T5X's own run.
+"""Training parity with T5X: t5lite's train step reproduces T5X's own runs.
 
-`tests/data/t5x_train/encdec_a/` is a 30-step run written by T5X itself (its
-README): the step-0 state, the exact batches, every logged metric and the
-states after 10 and 30 updates. A model imported from `checkpoint_0` with
-the gin file `t5lite-import` writes (T5X's recipe included) is trained by
-the train step `t5lite-train` compiles, on the same batches, and compared
-step by step.
+`tests/data/t5x_train/` holds runs written by T5X itself (its README): an
+encoder-decoder (`encdec_a`, 30 steps, float32 and bfloat16) and a
+decoder-only one (`deconly_b`, 20 steps), each with its step-0 state, the
+exact batches, every logged metric and later states. A model imported from
+a T5X checkpoint with the gin file `t5lite-import` writes (T5X's recipe
+included) is trained by the train step `t5lite-train` compiles, on the same
+batches, and compared step by step.
 
-The run is chaotic past step 25: T5X itself, started from its checkpoint_0
-with every parameter changed by one part in 10^7 (about one float32 rounding,
-`t5x_chaos.npz`, written by `t5x_chaos.py`), departs from its own logged run
-by up to 1.1e-2 in the loss by step 30 and by 12-100 % of a tensor's largest
-value in the step-30 parameters, while an unchanged rerun is bitwise equal.
-No implementation that is not T5X's compiled program bit for bit can be
-closer than that spread, so steps 26-30 and checkpoint_30 are held to it; the
-earlier steps and checkpoint_10 to 1e-5 / 1e-4.
+Each step's loss is held to 1e-5 relative up to step 10 and 1e-4 after,
+checkpoint_10 to 1e-5 and later checkpoints to 1e-4 of each tensor's largest
+value, except where T5X is not that close to itself: encdec_a is chaotic
+past step 22. T5X, started from its checkpoint_0 with every parameter
+changed by one part in 10^7 (about one float32 rounding; `t5x_chaos.npz`,
+written by `t5x_chaos.py`, eight seeds), departs from its own logged run by
+up to 2e-4 at step 23 and 1.1e-2 at step 30, and by 12-100 % of a tensor's
+largest value at checkpoint_30, while an unchanged rerun is bitwise equal. No
+implementation that is not T5X's compiled program bit for bit can be held
+closer than that spread, so there the bound is T5X's own spread.
 """
 
 import json
@@ -35,6 +38,8 @@ def _load(name):
 
 
 METRICS = _load("encdec_a/metrics.npz")
+DECODER_ONLY_METRICS = _load("deconly_b/metrics.npz")
+BFLOAT16_METRICS = _load("encdec_a_bf16_metrics.npz")
 CHAOS = _load("t5x_chaos.npz")
 
 
@@ -57,19 +62,20 @@ CHAOS_LOSS = np.max(np.abs(CHAOS["loss_perturbed"] - CHAOS["loss_logged"]) / CHA
 CHAOS_CHECKPOINT_30 = float(np.max(CHAOS["ckpt_rel_diff_perturbed"][:, 1]))
 
 
-def _loss_bound(step):
+def _loss_bound(step, chaos):
   """1e-5 to step 10, 1e-4 after, unless T5X's own spread is larger there."""
-  return max(1e-5 if step <= 10 else 1e-4, CHAOS_LOSS[step - 1])
+  bound = 1e-5 if step <= 10 else 1e-4
+  return max(bound, CHAOS_LOSS[step - 1]) if chaos else bound
 
 
-def _check(measured, first_step):
+def _check(measured, first_step, metrics=METRICS, chaos=True):
   losses = np.array(measured["losses"])
-  want = METRICS["loss"][first_step - 1:first_step - 1 + len(losses)]
+  want = metrics["loss"][first_step - 1:first_step - 1 + len(losses)]
   for step, gap in enumerate(np.abs(losses - want) / want, start=first_step):
-    bound = _loss_bound(step)
+    bound = _loss_bound(step, chaos)
     assert gap <= bound, f"step {step}: loss off T5X's by {gap:.2e} (bound {bound:.1e})"
   for step, gaps in measured["gaps"].items():
-    bound = 1e-5 if step == "10" else max(1e-4, CHAOS_CHECKPOINT_30)
+    bound = 1e-5 if step == "10" else max(1e-4, CHAOS_CHECKPOINT_30 if chaos else 0)
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] <= bound, (f"{worst} off T5X's checkpoint_{step} by {gaps[worst]:.2e} "
                                   f"(bound {bound:.1e})")
@@ -78,10 +84,11 @@ def _check(measured, first_step):
 
 def test_the_fixture_is_t5x_s_own_deterministic_run():
   # T5X rerun from checkpoint_0 gave its logged losses bitwise (t5x_chaos.py);
-  # the spread used past step 25 is T5X's, not t5lite's.
+  # the spread used past step 22 is T5X's, not t5lite's.
   np.testing.assert_array_equal(CHAOS["loss_rerun"], METRICS["loss"])
   assert np.all(CHAOS["ckpt_rel_diff_rerun"] == 0)
-  assert CHAOS_LOSS[:10].max() < 1e-5 and CHAOS_LOSS[25:].min() > 1e-4
+  assert CHAOS_LOSS[:10].max() < 1e-5 and CHAOS_LOSS[:22].max() < 1e-4
+  assert CHAOS_LOSS[25:].min() > 1e-4
 
 
 @pytest.mark.parametrize("case", ["start", "start_scanned"])
@@ -95,3 +102,30 @@ def test_a_t5x_run_continues_from_its_step_10_state(tmp_path):
   measured = _measure("resume", tmp_path)
   assert len(measured["losses"]) == 20 and set(measured["gaps"]) == {"30"}
   _check(measured, 11)
+
+
+@pytest.mark.parametrize("case", ["decoder_only", "decoder_only_scanned"])
+def test_decoder_only_twenty_steps_match_t5x_s_run(tmp_path, case):
+  # deconly_b: T5X's own decoder-only run; its 20 steps stay inside the
+  # issue's bounds (no chaos allowance).
+  measured = _measure(case, tmp_path)
+  assert len(measured["losses"]) == 20 and set(measured["gaps"]) == {"10", "20"}
+  _check(measured, 1, DECODER_ONLY_METRICS, chaos=False)
+
+
+def test_bfloat16_activations_match_t5x_s_bfloat16_run(tmp_path):
+  # bfloat16 keeps 8 significant bits (a rounding of up to 2e-3 per product);
+  # two implementations that round different intermediate products differ
+  # by that much per operation, which a sum over 100+ tokens averages at the
+  # first step and training then amplifies. T5X's own bfloat16 run is within
+  # 5.2e-5 of its float32 run at step 1 and 6.6e-3 by step 10, then departs
+  # by up to 34 % (a loss spike in one run only): hence 1e-3 at step 1, 1e-2
+  # to step 10, and nothing per step after (docs/from_t5x.md).
+  measured = _measure("bfloat16", tmp_path)
+  losses = np.array(measured["losses"])
+  gaps = np.abs(losses - BFLOAT16_METRICS["loss"]) / BFLOAT16_METRICS["loss"]
+  assert gaps[0] <= 1e-3, gaps[0]
+  assert gaps[:10].max() <= 1e-2, gaps[:10]
+  # Still training the same way: the loss falls as T5X's does.
+  assert losses[20:].mean() < 0.6 * losses[0]
+  assert measured["learning_rate"] == pytest.approx(0.1)
