@@ -34,7 +34,6 @@ sharded like it.
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -100,9 +99,6 @@ def check_rules(rules: Mapping[str, str | None]) -> dict[str, str]:
     raise ValueError(f"Adafactor logical_factor_rules must map axis names to 'row', 'column', "
                      f"'batch' or 'none'; got {rules!r}.")
   return {axis: _kind(kind, axis) for axis, kind in dict(rules).items()}
-
-
-STANDARD_LOGICAL_FACTOR_RULES = types.MappingProxyType(standard_logical_factor_rules())
 
 
 @dataclasses.dataclass(frozen=True)

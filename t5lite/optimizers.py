@@ -574,8 +574,7 @@ def adafactor(learning_rate: Schedule | float, *,
               epsilon1: float = 1e-30,
               epsilon2: float = 1e-3,
               dtype_momentum: str = "float32",
-              logical_factor_rules: Mapping[str, str | None] | None = (
-                  adafactor_lib.STANDARD_LOGICAL_FACTOR_RULES),
+              logical_factor_rules: Mapping[str, str | None] | str | None = "standard",
               weight_decay_rate_lr_exponent: float | None = None,
               global_norm_clip_threshold: float | None = None,
               max_parameter_scale: float | None = None,
@@ -606,9 +605,10 @@ def adafactor(learning_rate: Schedule | float, *,
     epsilon2: smallest parameter scale.
     dtype_momentum: dtype of the momentum slots.
     logical_factor_rules: axis name -> 'row' / 'column' / 'batch' / 'none';
-      by default `standard_logical_factor_rules()`, which T5X's T5.1.1 gin
-      files bind; None gives T5X's size heuristic alone (T5X's Python
-      default), which cannot factor a parameter of rank above two.
+      'standard' (the default) is `standard_logical_factor_rules()`, which
+      T5X's T5.1.1 gin files bind; None gives T5X's size heuristic alone
+      (T5X's Python default), which cannot factor a parameter of rank above
+      two.
     weight_decay_rate_lr_exponent: decay = (weight_decay_rate or 1) *
       lr ** exponent.
     global_norm_clip_threshold: clip gradients to this global norm first.
@@ -633,6 +633,8 @@ def adafactor(learning_rate: Schedule | float, *,
   _check_positive(global_norm_clip_threshold, "global_norm_clip_threshold", allow_none=True)
   _check_positive(max_parameter_scale, "max_parameter_scale", allow_none=True)
   _check_positive(min_dim_size_to_factor, "min_dim_size_to_factor")
+  if logical_factor_rules == "standard":
+    logical_factor_rules = adafactor_lib.standard_logical_factor_rules()
   rules = (None if logical_factor_rules is None
            else adafactor_lib.check_rules(logical_factor_rules))
   hp = adafactor_lib.Hyperparams(
