@@ -10,6 +10,12 @@ file first on the command line and the checkpoint as INITIAL_CHECKPOINT_PATH
 or CHECKPOINT_PATH (docs/checkpoints.md); the weights are read from the
 checkpoint itself each time, straight into their shardings.
 
+A T5X checkpoint whose model_dir holds the run's config.gin also gets the
+run's training recipe (`interop.t5x_recipe`): the file is then a headline
+config that trains as the T5X run did with only MODEL_DIR and TRAIN_STEPS
+given, and the T5X settings it cannot carry are listed in it and named on
+stderr.
+
 Kept apart from `cli` so that t5lite-train's flags stay its own.
 """
 
@@ -39,10 +45,12 @@ def import_gin() -> str:
 
   Raises:
     ValueError: no or unreadable source, an architecture t5lite does not
-      have, or an existing --output without --overwrite (nothing is written).
+      have, a T5X config.gin that is not an operative config, or an
+      existing --output without --overwrite (nothing is written).
   """
   from t5lite import interop
   from t5lite.interop import gin_file
+  from t5lite.interop import t5x_recipe
   if not FLAGS.source:
     raise ValueError("--source is required: a T5X checkpoint or a Hugging Face folder.")
   source = os.path.abspath(FLAGS.source)
@@ -51,19 +59,31 @@ def import_gin() -> str:
   if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
     raise ValueError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
   description, network, fields, vocabulary = interop.describe(source)
-  text = gin_file.model_gin(network, fields, vocabulary, source)
+  recipe = (t5x_recipe.for_checkpoint(source, network)
+            if interop.checkpoint_format(source) == interop.T5X else None)
+  text = gin_file.model_gin(network, fields, vocabulary, source, recipe)
+  if FLAGS.output:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
+    with open(FLAGS.output + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(FLAGS.output + ".tmp", FLAGS.output)
+  if recipe is not None and recipe.omitted:
+    # On stderr, so that a printed file stays valid gin.
+    print(f"t5lite-import: {len(recipe.omitted)} T5X setting(s) not carried over (listed in "
+          f"{FLAGS.output or 'the file'}): {', '.join(o.binding for o in recipe.omitted)}",
+          file=sys.stderr)
   if not FLAGS.output:
     return text
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
-  with open(FLAGS.output + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(FLAGS.output + ".tmp", FLAGS.output)
   vocab = {"byte": "bytes", "sentencepiece": vocabulary[1]}.get(vocabulary[0], "unknown: set "
                                                                  "VOCABULARY in the file")
-  return (f"Wrote {FLAGS.output}: the {network.replace('_', '-')} model of the {description} "
-          f"{source} (vocabulary {vocab}).\nUse it first: t5lite-train "
-          f"--gin_file={FLAGS.output} --gin_file=gin/runs/finetune.gin "
-          f"--gin.INITIAL_CHECKPOINT_PATH=\"'{source}'\" ...")
+  model = (f"Wrote {FLAGS.output}: the {network.replace('_', '-')} model of the {description} "
+           f"{source} (vocabulary {vocab})")
+  if recipe is None:
+    return (f"{model}.\nUse it first: t5lite-train --gin_file={FLAGS.output} "
+            f"--gin_file=gin/runs/finetune.gin --gin.INITIAL_CHECKPOINT_PATH=\"'{source}'\" ...")
+  return (f"{model} and the training recipe of its T5X run ({recipe.config}).\nUse it alone: "
+          f"t5lite-train --gin_file={FLAGS.output} --gin.MODEL_DIR=\"'<dir>'\" "
+          "--gin.TRAIN_STEPS=<last step>")
 
 
 def _main(argv: Sequence[str]) -> None:

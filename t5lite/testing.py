@@ -15,7 +15,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import optax
 import seqio
 import tensorflow as tf
 

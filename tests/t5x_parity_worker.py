@@ -8,6 +8,8 @@ with LLVM optimisation off, which rounds differently).
 """
 
 import os
+import subprocess
+import sys
 
 import gin
 import jax
@@ -19,8 +21,6 @@ from t5lite import optimizers
 from t5lite import partitioning
 from t5lite import state_init
 from t5lite import trainer as trainer_lib
-from t5lite import interop
-from t5lite.interop import gin_file
 from t5lite.interop import t5x
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
@@ -32,31 +32,21 @@ def _load(name):
 
 
 def _model(tmp_path, source, bindings=()):
-  """The model of the gin file t5lite-import writes for `source`, with its recipe."""
+  """The model of the gin file `t5lite-import` writes for `source` (the T5X
+  run's recipe included), built as `t5lite-train` builds it."""
   path = str(tmp_path / "imported.gin")
-  _, network, fields, vocabulary = interop.describe(source)
-  text = gin_file.model_gin(network, fields, vocabulary, source) + RECIPE.replace(
-      "EncoderDecoderModel", "EncoderDecoderModel" if fields["num_encoder_layers"] else
-      "DecoderOnlyModel")
-  with open(path, "w") as f:
-    f.write(text)
+  script = os.path.join(os.path.dirname(sys.executable), "t5lite-import")
+  result = subprocess.run([script, f"--source={source}", f"--output={path}"],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  # Every training setting carried (decoding settings do not train).
+  omitted = [line for line in result.stderr.splitlines() if "not carried over" in line]
+  for name in (omitted[0].split(": ", 2)[-1].split(", ") if omitted else []):
+    assert "decod" in name or name.endswith("decode_fn"), omitted
   gin.config.clear_config(clear_constants=True)
   cli.parse_gin([path], ["MODEL_DIR = 'unused'", "TRAIN_STEPS = 30", *bindings],
                 cli.gin_search_paths([]))
   return gin.query_parameter("%MODEL").scoped_configurable_fn()
-
-
-RECIPE = """
-optimizers.adafactor.decay_rate = 0.8
-optimizers.adafactor.step_offset = 0
-optimizers.adafactor.logical_factor_rules = @optimizers.standard_logical_factor_rules()
-LEARNING_RATE = @optimizers.create_learning_rate_scheduler()
-optimizers.create_learning_rate_scheduler.factors = 'constant * rsqrt_decay'
-optimizers.create_learning_rate_scheduler.base_learning_rate = 1.0
-optimizers.create_learning_rate_scheduler.warmup_steps = 100
-models.EncoderDecoderModel.loss_normalizing_factor = None
-models.EncoderDecoderModel.z_loss = 1e-4
-"""
 
 
 class _Run:
@@ -167,5 +157,4 @@ CASES = {
 if __name__ == "__main__":
   import json
   import pathlib
-  import sys
   print("RESULT " + json.dumps(CASES[sys.argv[1]](pathlib.Path(sys.argv[2]))))

@@ -2,9 +2,10 @@
 
 A Hugging Face folder goes to a fine-tuned, evaluated and exported model in
 three commands (t5lite-import, t5lite-train, t5lite-export); a restarted
-fine-tune resumes its own checkpoint; t5lite-infer and t5lite-eval read T5X
-and Hugging Face checkpoints directly; bad input is one line, exit 2, and
-nothing written.
+fine-tune resumes its own checkpoint; the file imported from a T5X run trains
+as that run did with only MODEL_DIR and TRAIN_STEPS given; t5lite-infer and
+t5lite-eval read T5X and Hugging Face checkpoints directly; bad input is one
+line, exit 2, and nothing written.
 """
 
 import json
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from t5lite import interop
+from t5lite import metrics
 from t5lite.interop import huggingface
 
 import interop_helpers as h
@@ -72,11 +74,31 @@ def test_hugging_face_folder_to_finetuned_evaluated_exported_in_three_commands(t
 
 
 @pytest.mark.slow
+def test_file_imported_from_a_t5x_run_trains_as_that_run_did(tmp_path):
+  """Two steps from T5X's checkpoint_0 with the written file alone give the
+  losses T5X's own run logged at those steps (encdec_a/metrics.npz)."""
+  cwd = str(tmp_path)
+  run = os.path.join(h.DATA, "t5x_train", "encdec_a")
+  _ok(run_cli([f"--source={os.path.join(run, 'checkpoint_0')}", "--output=t5x.gin"], cwd,
+              script="t5lite-import"))
+  assert "\ninclude 'gin/runs/finetune.gin'\n" in (tmp_path / "t5x.gin").read_text()
+  _ok(run_cli(["--gin_file=t5x.gin", "--gin.MODEL_DIR='run'", "--gin.TRAIN_STEPS=2"], cwd))
+  losses = metrics.read_scalars(str(tmp_path / "run" / "train"), "loss")
+  t5x = np.load(os.path.join(run, "metrics.npz"))
+  want = dict(zip(t5x["loss__steps"].tolist(), t5x["loss"].tolist()))
+  assert sorted(losses) == [1, 2]
+  # Summed over the batch (T5X's loss_normalizing_factor None), in float32.
+  np.testing.assert_allclose([losses[1], losses[2]], [want[1], want[2]], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_infer_and_eval_read_foreign_checkpoints_directly(tmp_path):
   cwd = str(tmp_path)
   _ok(run_cli([f"--source={h.T5X_CHECKPOINTS['a', 'legacy']}", "--output=a.gin"], cwd,
               script="t5lite-import"))
   (tmp_path / "inputs.txt").write_text("The cat sat on the mat.\nHello world\n")
+  # The file carries the T5X run's recipe and its run file; infer.gin after it
+  # sets what only training needs.
   _ok(run_cli(["--gin_file=a.gin", "--gin_file=gin/runs/infer.gin",
                f"--gin.CHECKPOINT_PATH='{h.T5X_CHECKPOINTS['a', 'legacy']}'",
                "--gin.INFER_OUTPUT_DIR='out'", "--gin.INPUT_FILE='inputs.txt'",

@@ -245,16 +245,20 @@ def t5lite_names(params: dict[str, lazy.LazyArray], layers_axis: int = 1
   return out
 
 
-def _operative_config(step_dir: str) -> str:
-  """T5X's config.gin of the run, from the model_dir above the step directory."""
+def operative_config(step_dir: str) -> tuple[str | None, str]:
+  """T5X's config.gin of the run, from the model_dir above the step directory.
+
+  Returns:
+    (its path, its text), or (None, '') when there is none.
+  """
   parent = os.path.dirname(step_dir)
   # The model_dir, or one level up for step directories kept in a subfolder.
   for folder in (parent, os.path.dirname(parent)):
     path = os.path.join(folder, "config.gin")
     if os.path.isfile(path):
       with open(path) as f:
-        return f.read()
-  return ""
+        return path, f.read()
+  return None, ""
 
 
 def _vocabulary(config: str) -> tuple[str, str | None]:
@@ -280,7 +284,7 @@ def model_fields(checkpoint: T5xCheckpoint) -> tuple[str, dict[str, Any], tuple[
     (gin_file.ENCODER_DECODER or DECODER_ONLY, fields, vocabulary).
   """
   params = to_t5lite(checkpoint)
-  config = _operative_config(checkpoint.path)
+  _, config = operative_config(checkpoint.path)
   emb = params["token_embedder/embedding"].shape
   per_layer = "decoder/relpos_bias/rel_embedding" not in params
   relpos = params["decoder/layers_0/relpos_bias/rel_embedding" if per_layer
