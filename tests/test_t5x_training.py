@@ -22,6 +22,7 @@ closer than that spread, so there the bound is T5X's own spread.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -129,3 +130,31 @@ def test_bfloat16_activations_match_t5x_s_bfloat16_run(tmp_path):
   # Still training the same way: the loss falls as T5X's does.
   assert losses[20:].mean() < 0.6 * losses[0]
   assert measured["learning_rate"] == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_the_console_continues_a_t5x_run_and_refuses_a_state_that_does_not_fit(tmp_path):
+  from test_cli import run_cli
+  cwd = str(tmp_path)
+  source = os.path.join(DATA, "encdec_a", "checkpoint_10")
+  result = run_cli([f"--source={source}", "--output=run.gin"], cwd, script="t5lite-import")
+  assert result.returncode == 0, result.stderr[-2000:]
+  whole = "--gin.checkpoints.RestoreCheckpointConfig.params_only=False"
+  result = run_cli(["--gin_file=run.gin", "--gin.MODEL_DIR='continued'", "--gin.TRAIN_STEPS=12",
+                    "--gin.STATS_PERIOD=1", whole], cwd)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "continuing T5X's run at step 10" in result.stdout
+  logged = {int(step): float(loss) for step, loss in
+            re.findall(r"step (\d+)/12  loss ([\d.]+)", result.stdout)}
+  assert sorted(logged) == [11, 12], result.stdout[-2000:]
+  for step, loss in logged.items():  # T5X's losses at steps 11 and 12
+    assert loss == pytest.approx(METRICS["loss"][step - 1], rel=1e-5), step
+  # A state that does not fit: one line, exit 2, nothing written.
+  for binding in ("--gin.optimizers.adafactor.beta1=0.9", "--gin.OPTIMIZER=@optimizers.adamw()"):
+    result = run_cli(["--gin_file=run.gin", "--gin.MODEL_DIR='refused'", "--gin.TRAIN_STEPS=12",
+                      whole, binding, "--gin.optimizers.adamw.learning_rate=0.001"], cwd)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("t5lite")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "params_only = True" in lines[0]
+    assert not os.path.exists(tmp_path / "refused")
