@@ -1,21 +1,26 @@
 """Learners (optax transformations) and learning-rate schedules, gin-bindable.
 
-Learners: `adafactor` (the T5X default), `adamw` (decoupled weight decay) and
-`adastar` (factored second moment, update clipping, update momentum). Wrappers
-that compose with any of them: `clip_by_global_norm`,
+Learners: `adafactor` (T5X's Adafactor, factored by logical axes: see
+`t5lite.adafactor`), `adamw` (decoupled weight decay) and `adastar` (factored
+second moment, update clipping, update momentum). `adafactor` needs the
+parameters' logical axes, so it is a `ByLogicalAxes` learner that
+`TrainState.create` turns into an optax transformation (`for_params`).
+Wrappers that compose with any of them: `clip_by_global_norm`,
 `skip_and_clip_by_global_norm` (drops steps whose gradient norm is too large
 and counts them) and `scale_updates_by_path` (muP-style per-parameter update
-scales chosen by regular expressions on parameter paths).
+scales chosen by regular expressions on parameter paths). Learning-rate
+schedules include T5X's `create_learning_rate_scheduler`.
 
 Every learner wraps its learning rate with `optax.inject_hyperparams`, so the
 rate applied at a step lives in the optimizer state and the trainer logs
 exactly that value (`learning_rate_from_state`), whatever wraps the learner.
 
-Weight decay follows the learning rate: a step subtracts
-`lr(step) * weight_decay * scale(path) * param` (the torch.optim.AdamW and
+Weight decay of `adamw` and `adastar` follows the learning rate: a step
+subtracts `lr(step) * weight_decay * scale(path) * param` (the torch.optim.AdamW and
 optax.adamw convention), so it decays with the schedule and is proportional
 to the peak rate. For a decay of `d` per step at the peak, set
-`weight_decay = d / peak_learning_rate`.
+`weight_decay = d / peak_learning_rate`. `adafactor`'s `weight_decay_rate`
+is T5X's: not scaled by the learning rate.
 
 Parameter paths are '/'-joined keys such as
 'encoder/layers_0/attention/query/kernel'. Path rules are ordered

@@ -41,7 +41,9 @@ OVERLAY = "--gin_file=gin/testing/local_tiny.gin"
 # their whole validation split in large batches.
 CI_TRAIN_STEPS = 6
 CI_RELATIVE_STEPS = 2
-CI_BINDINGS = ("--gin.EVAL_PERIOD=4", "--gin.infer_eval/datasets.DatasetConfig.batch_size=200")
+CI_EVAL_PERIOD = 4
+CI_BINDINGS = (f"--gin.EVAL_PERIOD={CI_EVAL_PERIOD}",
+               "--gin.infer_eval/datasets.DatasetConfig.batch_size=200")
 CI_EVAL_EXAMPLES = 8
 TIMEOUT = 600
 
@@ -197,6 +199,10 @@ def _shrink_t5lite(tokens: list[str], box: Sandbox) -> list[str]:
   imported = program == "t5lite-export" or any(_imported_model(t) for t in out)
   out += [] if OVERLAY in out or imported else [OVERLAY]
   out += list(CI_BINDINGS) if program == "t5lite-train" else []
+  if program == "t5lite-train" and imported:
+    # An imported T5X run's file carries that run's checkpoint period, which
+    # CI's evaluation period must divide.
+    out.append(f"--gin.CHECKPOINT_PERIOD={CI_EVAL_PERIOD}")
   if program == "t5lite-eval":
     out.append(f"--gin.NUM_EVAL_EXAMPLES={CI_EVAL_EXAMPLES}")
   if program == "t5lite-infer":

@@ -24,7 +24,6 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import seqio
 
 from t5lite import decoding
@@ -235,7 +234,7 @@ class BaseModel(abc.ABC):
     module: the Flax network.
     input_vocabulary: vocabulary of the inputs.
     output_vocabulary: vocabulary of the targets.
-    optimizer: optax transformation the trainer uses; never called here.
+    optimizer: the learner the trainer uses; never called here.
     aux_loss_factor: weight of the MoE load-balancing loss.
     router_z_loss_factor: weight of the MoE router z-loss.
     decode_fn: the decoder `predict_batch` runs (see `t5lite.decoding`).
@@ -248,7 +247,7 @@ class BaseModel(abc.ABC):
 
   def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
                output_vocabulary: seqio.Vocabulary,
-               optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
+               optimizer: Any, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | str | None = NUM_REAL_TARGET_TOKENS,
                aux_loss_factor: float = 1e-2, router_z_loss_factor: float = 1e-3,
@@ -260,7 +259,8 @@ class BaseModel(abc.ABC):
       module: Flax network, e.g. `transformer.EncoderDecoder`.
       input_vocabulary: vocabulary of the inputs.
       output_vocabulary: vocabulary of the targets.
-      optimizer: optax transformation, stored for the trainer.
+      optimizer: a learner of `t5lite.optimizers` (or an optax
+        transformation), stored for the trainer.
       z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
       label_smoothing: in [0, 1).
       loss_normalizing_factor: T5X's: None sums the loss over tokens; a
@@ -780,7 +780,7 @@ class DecoderOnlyModel(BaseModel):
 
   def __init__(self, module: nn.Module, input_vocabulary: seqio.Vocabulary,
                output_vocabulary: seqio.Vocabulary,
-               optimizer: optax.GradientTransformation, z_loss: float = 1e-4,
+               optimizer: Any, z_loss: float = 1e-4,
                label_smoothing: float = 0.0,
                loss_normalizing_factor: float | str | None = NUM_REAL_TARGET_TOKENS,
                inputs_bidirectional_attention: bool = False,
@@ -793,7 +793,8 @@ class DecoderOnlyModel(BaseModel):
       module: Flax network, e.g. `transformer.DecoderOnly`.
       input_vocabulary: vocabulary of the inputs.
       output_vocabulary: vocabulary of the targets.
-      optimizer: optax transformation, stored for the trainer.
+      optimizer: a learner of `t5lite.optimizers` (or an optax
+        transformation), stored for the trainer.
       z_loss: coefficient of the `logsumexp(logits)**2` auxiliary loss.
       label_smoothing: in [0, 1).
       loss_normalizing_factor: see `BaseModel`.
