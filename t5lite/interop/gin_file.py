@@ -67,15 +67,17 @@ class Recipe:
   omitted: tuple[Omission, ...]
 
 
-def _literal(value: Any) -> str:
-  if isinstance(value, Ref):
+def literal(value: Any) -> str:
+  """`value` as gin text: Python literals, and references (`Ref`, or any
+  object with a `text` attribute) as written."""
+  if isinstance(getattr(value, "text", None), str):
     return value.text
   if isinstance(value, tuple):
-    return "(" + ", ".join(_literal(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return "(" + ", ".join(literal(v) for v in value) + ("," if len(value) == 1 else "") + ")"
   if isinstance(value, list):
-    return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return "[" + ", ".join(literal(v) for v in value) + "]"
   if isinstance(value, dict):
-    return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in value.items()) + "}"
   return repr(value)
 
 
@@ -140,7 +142,7 @@ def _model_lines(network: str, fields: dict[str, Any], vocabulary: tuple[str, st
   lines += ["  z_loss = 1e-4"] if with_training else []
   lines += ["", f"transformer.{module}.config = @transformer.TransformerConfig()",
             "transformer.TransformerConfig:"]
-  lines += [f"  {name} = {_literal(fields[name])}" for name in _FIELDS if name in fields]
+  lines += [f"  {name} = {literal(fields[name])}" for name in _FIELDS if name in fields]
   lines += ["  dropout_rate = %DROPOUT_RATE"]
   if with_training:
     lines += ["  dtype = 'float32'", "", "optimizers.adafactor.learning_rate = %LEARNING_RATE"]
@@ -161,7 +163,7 @@ def _recipe_lines(recipe: Recipe) -> list[str]:
     lines += ["", f"# {title}"]
     for setting in settings:
       lines += [line for text in setting.comment for line in _comment(text)]
-      lines.append(f"{setting.name} = {_literal(setting.value)}")
+      lines.append(f"{setting.name} = {literal(setting.value)}")
   if recipe.omitted:
     lines += [""] + _comment(f"The T5X settings of {recipe.config} that this file does not "
                              "carry; where they matter, training differs from the T5X run.")

@@ -51,8 +51,12 @@ class Reference:
   name: str
   called: bool
 
-  def __str__(self) -> str:
+  @property
+  def text(self) -> str:
     return f"@{self.name}{'()' if self.called else ''}"
+
+  def __str__(self) -> str:
+    return self.text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,12 @@ class Constant:
 
   name: str
 
-  def __str__(self) -> str:
+  @property
+  def text(self) -> str:
     return f"%{self.name}"
+
+  def __str__(self) -> str:
+    return self.text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,19 +359,6 @@ class _Bindings:
     return list(self._left)
 
 
-def _show(value: Any) -> str:
-  """A T5X value as its config writes it."""
-  if isinstance(value, (Reference, Constant)):
-    return str(value)
-  if isinstance(value, tuple):
-    return "(" + ", ".join(_show(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-  if isinstance(value, list):
-    return "[" + ", ".join(_show(v) for v in value) + "]"
-  if isinstance(value, dict):
-    return "{" + ", ".join(f"{_show(k)}: {_show(v)}" for k, v in value.items()) + "}"
-  return repr(value)
-
-
 def _is_literal(value: Any) -> bool:
   if isinstance(value, (Reference, Constant)):
     return False
@@ -385,7 +380,7 @@ def _omit(binding: Binding, reason: str | None = None) -> gin_file.Omission:
     reason = (_REASONS.get((binding.kind, binding.param)) or _REASONS.get((binding.param,))
               or (_DECODING if decoding else None)
               or (_REFERENCE_VALUE if not _is_literal(binding.value) else _NO_COUNTERPART))
-  return gin_file.Omission(binding.key, _show(binding.value), reason)
+  return gin_file.Omission(binding.key, gin_file.literal(binding.value), reason)
 
 
 @dataclasses.dataclass
