@@ -45,16 +45,25 @@ LOGITS = [((None, None), (8, 384)), (("fsdp", None), (1, 384)),          # [embe
 RELPOS = [((None, None), (4, 32)), ((None, None), (4, 32)),              # [heads, buckets]
           (("model", None), (2, 32)), (("model", None), (2, 32))]
 SCALE = [((None,), (8,)), (("fsdp",), (1,)), ((None,), (8,)), (("fsdp",), (2,))]  # [embed]
-# Adafactor statistics of factored kernels drop one dimension of the kernel.
-EMBED_ONLY = SCALE                                                       # [embed]
-MLP_ONLY = [((None,), (16,)), ((None,), (16,)), (("model",), (8,)), (("model",), (8,))]
-VOCAB_ONLY = [((None,), (384,)), ((None,), (384,)), (("model",), (192,)), (("model",), (192,))]
-HEADS_KV = [((None, None), (4, 3)), ((None, None), (4, 3)),              # [heads, kv]
-            (("model", None), (2, 3)), (("model", None), (2, 3))]
-EMBED_KV = [((None, None), (8, 3)), (("fsdp", None), (1, 3)),            # [embed, kv]
-            ((None, None), (8, 3)), (("fsdp", None), (2, 3))]
-# Unfactored kernels keep a (1,)-shaped, replicated placeholder.
-PLACEHOLDER = [((None,), (1,))] * 4
+# Adafactor statistics keep every dimension of their kernel: the ones they
+# reduce have size 1 and are not split, the others split like the kernel's.
+ROWS_OF_WI = [((None, None), (8, 1)), (("fsdp", None), (1, 1)),          # [embed, 1]
+              ((None, None), (8, 1)), (("fsdp", None), (2, 1))]
+COLUMNS_OF_WI = [((None, None), (1, 16)), ((None, None), (1, 16)),       # [1, mlp]
+                 ((None, "model"), (1, 8)), ((None, "model"), (1, 8))]
+# The embedding [vocab, embed] is factored with embed (the smaller) as rows.
+ROWS_OF_EMBEDDING = [((None, None), (1, 8)), ((None, "fsdp"), (1, 1)),   # [1, embed]
+                     ((None, None), (1, 8)), ((None, "fsdp"), (1, 2))]
+COLUMNS_OF_EMBEDDING = [((None, None), (384, 1)), ((None, None), (384, 1)),  # [vocab, 1]
+                        (("model", None), (192, 1)), (("model", None), (192, 1))]
+# [embed, heads, kv] is factored as [embed, heads * kv]: rows keep embed,
+# columns heads and kv.
+ROWS_OF_QKV = [((None, None, None), (8, 1, 1)), (("fsdp", None, None), (1, 1, 1)),
+               ((None, None, None), (8, 1, 1)), (("fsdp", None, None), (2, 1, 1))]
+COLUMNS_OF_QKV = [((None, None, None), (1, 4, 3)), ((None, None, None), (1, 4, 3)),
+                  ((None, "model", None), (1, 2, 3)), ((None, "model", None), (1, 2, 3))]
+# Unfactored kernels keep a size-1 placeholder of their rank, replicated.
+PLACEHOLDER = [((None, None), (1, 1))] * 4
 
 # The encoder-decoder trains with adafactor factoring every dimension >= 4, so
 # its kernels have row/column statistics; the decoder-only keeps the default
@@ -69,12 +78,12 @@ ENC_DEC_GOLDEN = {
     "params/encoder/layers_0/pre_attention_layer_norm/scale": SCALE,
     "params/decoder/layers_0/encoder_decoder_attention/key/kernel": QKV,
     "params/decoder/logits_dense/kernel": LOGITS,
-    "v_row:encoder/layers_0/mlp/wi_0/kernel": EMBED_ONLY,
-    "v_col:encoder/layers_0/mlp/wi_0/kernel": MLP_ONLY,
-    "v_row:token_embedder/embedding": EMBED_ONLY,
-    "v_col:token_embedder/embedding": VOCAB_ONLY,
-    "v_row:encoder/layers_0/attention/query/kernel": HEADS_KV,
-    "v_col:encoder/layers_0/attention/query/kernel": EMBED_KV,
+    "v_row:encoder/layers_0/mlp/wi_0/kernel": ROWS_OF_WI,
+    "v_col:encoder/layers_0/mlp/wi_0/kernel": COLUMNS_OF_WI,
+    "v_row:token_embedder/embedding": ROWS_OF_EMBEDDING,
+    "v_col:token_embedder/embedding": COLUMNS_OF_EMBEDDING,
+    "v_row:encoder/layers_0/attention/query/kernel": ROWS_OF_QKV,
+    "v_col:encoder/layers_0/attention/query/kernel": COLUMNS_OF_QKV,
     "v:encoder/encoder_norm/scale": SCALE,
 }
 DEC_ONLY_GOLDEN = {
