@@ -101,8 +101,15 @@ def _param_gaps(params, fixture, step):
     got[name] = np.asarray(leaf)
   got = _unscan(got)
   assert set(got) == set(want)
-  return {name: float(np.max(np.abs(got[name] - want[name])) / np.max(np.abs(want[name])))
+  gaps = {name: float(np.max(np.abs(got[name] - want[name])) / np.max(np.abs(want[name])))
           for name in want}
+  # And of all parameters together: ||t5lite - T5X|| / ||T5X||.
+  squares = lambda tree: sum(float(np.sum(np.square(x, dtype=np.float64))) for x in tree)  # noqa: E731
+  gaps[L2] = (squares(got[n] - want[n] for n in want) / squares(want.values())) ** 0.5
+  return gaps
+
+
+L2 = "all parameters (L2)"
 
 
 def _unscan(params):
