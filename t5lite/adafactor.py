@@ -135,12 +135,13 @@ def _joined_groups(axes: tuple[str | None, ...]) -> list[tuple[int, ...]]:
 
 
 def _heuristic(shape: tuple[int, ...], axes: tuple[str | None, ...] | None,
-               min_dim_size_to_factor: int) -> Factoring:
-  """T5X's size heuristic on the parameter as T5X's network shapes it."""
+               min_dim_size_to_factor: int) -> Factoring | None:
+  """T5X's size heuristic on the parameter as T5X's network shapes it; None
+  above rank two, where T5X has no heuristic."""
   everything = tuple(range(len(shape)))
   groups = _joined_groups(axes) if axes is not None else [(d,) for d in everything]
   if len(groups) > 2:
-    raise ValueError(f"rank {len(shape)}")
+    return None
   if len(groups) < 2:
     return Factoring(everything)
   sizes = [int(np.prod([shape[d] for d in group])) for group in groups]
@@ -176,13 +177,13 @@ def factoring(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...] | 
   if not factored:
     return Factoring(everything)
   if rules is None or axes is None:
-    try:
-      return _heuristic(shape, axes, min_dim_size_to_factor)
-    except ValueError:
+    plan = _heuristic(shape, axes, min_dim_size_to_factor)
+    if plan is None:
       raise ValueError(
           f"Adafactor cannot factor {name} {shape} by size alone (rank above two): give it "
           "logical_factor_rules (optimizers.standard_logical_factor_rules()) and build the "
-          "train state with the parameters' logical axes.") from None
+          "train state with the parameters' logical axes.")
+    return plan
   kinds = []
   for axis in axes:
     if axis is None:
@@ -379,7 +380,8 @@ def plan_tree(params: Any, param_axes: Any | None, rules: Mapping[str, str] | No
   axes = ([None] * len(flat) if param_axes is None else
           jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
   if len(axes) != len(flat):
-    raise ValueError(f"{len(axes)} logical axis specs for {len(flat)} parameters.")
+    # The axes come from the same model as the parameters: a bug, not input.
+    raise RuntimeError(f"{len(axes)} logical axis specs for {len(flat)} parameters.")
   names = [tree_paths.path_name(path) for path, _ in flat]
   plans = [factoring(name, tuple(leaf.shape), None if spec is None else tuple(spec), rules,
                      factored, min_dim_size_to_factor)

@@ -21,6 +21,8 @@ from t5lite import optimizers
 from t5lite import partitioning
 from t5lite import state_init
 from t5lite import trainer as trainer_lib
+from t5lite import tree_paths
+from t5lite import interop
 from t5lite.interop import t5x
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
@@ -95,11 +97,9 @@ def _t5x_params(fixture, step):
 def _param_gaps(params, fixture, step):
   """Per tensor: max |t5lite - T5X| / max |T5X|, keyed by name."""
   want = _t5x_params(fixture, step)
-  got = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    got[name] = np.asarray(leaf)
-  got = _unscan(got)
+  # Scanned layers as T5X's per-layer names (the exporter's unstacking).
+  got = interop._unscan({name: np.asarray(leaf)
+                         for name, leaf in tree_paths.leaves_by_name(params).items()})
   assert set(got) == set(want)
   gaps = {name: float(np.max(np.abs(got[name] - want[name])) / np.max(np.abs(want[name])))
           for name in want}
@@ -110,18 +110,6 @@ def _param_gaps(params, fixture, step):
 
 
 L2 = "all parameters (L2)"
-
-
-def _unscan(params):
-  out = {}
-  for name, value in params.items():
-    parts = name.split("/")
-    if len(parts) > 1 and parts[1] == "layers":
-      for i, layer in enumerate(value):
-        out["/".join([parts[0], f"layers_{i}", *parts[2:]])] = layer
-    else:
-      out[name] = value
-  return out
 
 
 
