@@ -366,7 +366,7 @@ def preload(name: str, constants: tuple, args: tuple, like: Any = None) -> None:
       shardings (an argument of another shape, dtype or sharding has another
       key, and the entry read ahead is then dropped unused).
   """
-  from t5lite.feeder import Background
+  from t5lite.threads import Background
   directory = store_directory()
   if directory is None:
     return
@@ -628,7 +628,7 @@ def verify_loaded(wait: bool) -> None:
   Raises:
     StaleProgramError: with `wait`, a loaded program differs.
   """
-  from t5lite.feeder import Background
+  from t5lite.threads import Background
   with _LOADED_LOCK:
     pending = list(_LOADED)
     for loaded in pending:

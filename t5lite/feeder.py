@@ -24,6 +24,7 @@ from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
+from t5lite.threads import Background
 
 
 def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iterator[dict]:
@@ -111,33 +112,6 @@ class _Prefetcher:
       if isinstance(item, _Failure):
         raise item.error
     return left
-
-
-class Background:
-  """`fn()` on a daemon thread; `result()` waits for it and returns its value
-  or raises what it raised (every time it is asked)."""
-
-  def __init__(self, fn: Callable[[], Any], name: str):
-    self._value: Any = None
-    self._error: BaseException | None = None
-    self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-    self._thread.start()
-
-  def _run(self, fn: Callable[[], Any]) -> None:
-    try:
-      self._value = fn()
-    except BaseException as e:  # raised again by result(), in the caller's thread
-      self._error = e
-
-  def join(self) -> None:
-    """Waits for `fn` to end, whatever it returns or raises."""
-    self._thread.join()
-
-  def result(self) -> Any:
-    self._thread.join()
-    if self._error is not None:
-      raise self._error
-    return self._value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,11 +37,12 @@ from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceCheck, DivergenceLimits
-from t5lite.feeder import Background, TrainData
+from t5lite.feeder import TrainData
 from t5lite.partitioning import Partitioned, Partitioner
 from t5lite.periods import Periods, compute_periods
 from t5lite.run_config import RunConfig
 from t5lite.stops import Diverged, Interrupted, Preempted
+from t5lite.threads import Background
 from t5lite.train_eval import TrainEvaluator
 from t5lite.train_state import TrainState
 
