@@ -14,6 +14,14 @@ many of them); $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS still overrides
 that. The directory grows with each new configuration and JAX version;
 deleting it at any time only costs the next run its compiles.
 
+An entry JAX fails to read (a truncated or garbled file) is removed when it
+is the user's own, so the program compiled instead is written in its place;
+one line per launch names the first such entry, and the next launch reads
+the new one (JAX alone would warn at every launch and never rewrite it). An
+entry of another user is left where it is. A directory that takes no new
+files (a read-only mount, another user's directory) is used read-only: one
+line says so, its programs are read, nothing is written to it.
+
 JAX finds a program in its cache only after tracing and lowering it, which
 for a training step takes seconds of a warm launch. The programs of a run
 that `Partitioner.partition(..., program=...)` names (the train step, the
@@ -49,17 +57,22 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import math
 import os
 import pickle
 import re
 import sys
 import sysconfig
+import tempfile
 import threading
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from t5lite import jax_internals
 
 ENV_DIRECTORY = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
@@ -115,9 +128,10 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
   Returns:
     The directory in use, or None when the cache is off: off when asked, and
     when the directory cannot be created (a warning says so; a run never
-    fails for its cache).
+    fails for its cache). A directory that takes no new files is read and
+    never written (`_use_read_only_if_unwritable`).
   """
-  _STORE["directory"] = None
+  _STORE["directory"], _STORE["writable"] = None, False
   if not enabled:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
@@ -136,8 +150,88 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
   if ENV_MIN_COMPILE_TIME not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   if "://" not in directory:
+    read_only = _use_read_only_if_unwritable(directory)
+    jax_internals.handle_compilation_cache_read_errors(_unreadable_entry_errors(),
+                                                       _replace_unreadable_entry)
     _STORE["directory"] = os.path.join(directory, PROGRAMS_SUBDIR)
+    _STORE["writable"] = not read_only
   return directory
+
+
+def _use_read_only_if_unwritable(directory: str) -> bool:
+  """Whether `directory` refuses new files; if so, JAX's cache is set to
+  read it and write nothing, and one line says so (JAX would warn at every
+  program it failed to write)."""
+  try:
+    handle, probe = tempfile.mkstemp(prefix=".t5lite-write-probe-", dir=directory)
+  except OSError as error:
+    print(f"t5lite: warning: compilation cache {directory} is read-only ({error.strerror}); "
+          "its programs are read, none are written.", flush=True)
+    # JAX writes a program only if its compile took at least this long.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+    # XLA's GPU autotuning cache, kept in the same directory, would write too.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    return True
+  os.close(handle)
+  os.remove(probe)
+  return False
+
+
+# XLA's status codes for an executable it cannot parse (any other failure,
+# a device out of memory, is not the entry's and stays JAX's to report).
+_DAMAGED_EXECUTABLE = ("INVALID_ARGUMENT", "INTERNAL", "DATA_LOSS")
+_UNREADABLE = {"reported": False}
+_UNREADABLE_LOCK = threading.Lock()
+
+
+def _unreadable_entry_errors() -> tuple[type[BaseException], ...]:
+  """What reading a damaged entry of JAX's cache raises: its decompression
+  (zlib, or zstd where JAX has it) or XLA's parse of the executable."""
+  errors: list[type[BaseException]] = [zlib.error, jax.errors.JaxRuntimeError]
+  for module, name in (("compression.zstd", "ZstdError"), ("zstandard", "ZstdError")):
+    try:
+      errors.append(getattr(importlib.import_module(module), name))
+    except ImportError:
+      pass
+  return tuple(errors)
+
+
+def _replace_unreadable_entry(cache_key: str, error: BaseException) -> bool:
+  """Removes the entry of JAX's cache that `error` failed to read, if it
+  is this user's, so that the program compiled instead is written in its
+  place; says what happened once per process.
+
+  Returns:
+    True when the failure was the entry's (JAX then compiles without its
+    own warning), False to leave it to JAX.
+  """
+  if (isinstance(error, jax.errors.JaxRuntimeError)
+      and not str(error).startswith(_DAMAGED_EXECUTABLE)):
+    return False
+  entry, access_time = jax_internals.compilation_cache_entry_files(
+      jax.config.jax_compilation_cache_dir, cache_key)
+  try:
+    owner = os.stat(entry).st_uid
+  except FileNotFoundError:  # another process removed it already
+    return True
+  if owner != os.geteuid():
+    fate = f"left in place, it belongs to user {owner}"
+  else:
+    try:
+      os.remove(entry)
+      if os.path.exists(access_time):
+        os.remove(access_time)
+      fate = "removed, and the program compiled again is written in its place"
+    except FileNotFoundError:
+      fate = "removed by another process"
+    except OSError as failure:
+      fate = f"left in place ({failure.strerror})"
+  with _UNREADABLE_LOCK:
+    reported, _UNREADABLE["reported"] = _UNREADABLE["reported"], True
+  if not reported:
+    print(f"t5lite: warning: compilation cache entry {entry} unreadable ({_brief(error)}); "
+          f"{fate}.", flush=True)
+  return True
 
 
 def _count(event: str, **unused_kwargs) -> None:
@@ -166,7 +260,7 @@ def use() -> CacheUse:
 # programs come from a gin config), never from JAX's settings alone, so a
 # program built in Python outside a gin config is never looked up by a key
 # that cannot describe it.
-_STORE: dict[str, str | None] = {"directory": None}
+_STORE: dict[str, Any] = {"directory": None, "writable": False}
 
 
 class StaleProgramError(RuntimeError):
@@ -427,6 +521,8 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
                                lambda: _module_digest(lower(*abstract))))
       return compiled
   lowered = lower(*args)
+  if not _STORE["writable"]:  # a read-only cache: nothing is stored
+    return lowered.compile()
   if afresh:
     compiled = _compile_afresh(lowered)
   else:
@@ -437,7 +533,11 @@ def load_or_compile(name: str, constants: tuple, args: tuple, lower: Callable[..
       # executable XLA loaded from bytes cannot be serialized again whole
       # (XLA:CPU drops its kernels). The key's next launch compiles it
       # afresh and stores it; a key launched once costs nothing more.
-      _write(seen, b"")
+      try:
+        _write(seen, b"")
+      except OSError as error:  # a run never fails for its cache
+        print(f"t5lite: warning: {name} not kept in the program store ({_brief(error)}).",
+              flush=True)
       return compiled
   try:
     executable, _, out_tree = serialize_executable.serialize(compiled)
@@ -532,7 +632,7 @@ def load_or_build_pipeline(name: str, build: Callable[[], Any], constants: tuple
       return ds
   ds = build()
   spec = ds.element_spec
-  if isinstance(spec, dict) and all(isinstance(v, tf.TensorSpec) for v in spec.values()):
+  if _STORE["writable"] and isinstance(spec, dict) and all(isinstance(v, tf.TensorSpec) for v in spec.values()):
     try:
       graph = _serialized(ds)
     except Exception:  # noqa: BLE001  not serializable: built each launch, as without a store

@@ -21,7 +21,7 @@ calls every function, fails naming it. What each is for:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -80,3 +80,39 @@ def write_compilation_cache_in_every_process() -> None:
 
   write_in_every_process.in_every_process = True
   compiler._cache_write = write_in_every_process  # noqa: SLF001
+
+
+def handle_compilation_cache_read_errors(
+    errors: tuple[type[BaseException], ...],
+    handle: Callable[[str, BaseException], bool]) -> None:
+  """Shows a failed read of JAX's persistent compilation cache to `handle` first.
+
+  When reading the entry of key `cache_key` raises one of `errors`,
+  `handle(cache_key, error)` is called: True makes the read a miss (JAX then
+  compiles the program and writes its entry), False leaves the error to JAX
+  (a warning, then the same). Called again, it replaces the earlier handler.
+  """
+  from jax._src import compilation_cache
+  read = getattr(compilation_cache.get_executable_and_time, "t5lite_read",
+                 compilation_cache.get_executable_and_time)
+
+  def read_or_handle(cache_key: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    try:
+      return read(cache_key, *args, **kwargs)
+    except errors as error:
+      if handle(cache_key, error):
+        return None, None
+      raise
+
+  read_or_handle.t5lite_read = read
+  compilation_cache.get_executable_and_time = read_or_handle
+
+
+def compilation_cache_entry_files(directory: str, cache_key: str) -> tuple[str, str]:
+  """The files JAX's persistent cache in `directory` keeps for `cache_key`:
+  the entry and its access time (written only when the cache has a size
+  limit)."""
+  import os
+  from jax._src import lru_cache
+  return (os.path.join(directory, cache_key + lru_cache._CACHE_SUFFIX),  # noqa: SLF001
+          os.path.join(directory, cache_key + lru_cache._ATIME_SUFFIX))  # noqa: SLF001

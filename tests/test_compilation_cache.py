@@ -3,6 +3,8 @@
 import os
 import pickle
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -11,7 +13,8 @@ from t5lite import compilation_cache
 from test_cli import TINY, run_cli
 
 _SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-             "jax_persistent_cache_min_compile_time_secs")
+             "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_enable_xla_caches")
 
 
 @pytest.fixture
@@ -64,6 +67,67 @@ def test_off_when_asked_or_when_the_directory_cannot_be_made(tmp_path, capsys,
   assert not jax.config.jax_enable_compilation_cache
   warning = capsys.readouterr().out
   assert "compilation cache off" in warning and str(blocker / "cache") in warning
+
+
+# A launch that compiles one program with the cache t5lite configures.
+_LAUNCH = """
+import sys
+from t5lite import compilation_cache
+compilation_cache.configure(sys.argv[1])
+import jax
+print("result", jax.jit(lambda x: x * 3 + 1)(1.0))
+"""
+
+
+def _launch(cache):
+  """What a launch prints besides its result, line by line."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  done = subprocess.run([sys.executable, "-c", _LAUNCH, str(cache)], capture_output=True,
+                        text=True, timeout=300, env=dict(env, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0 and "result 4.0" in done.stdout, done.stderr[-3000:]
+  return [line for line in (done.stdout + done.stderr).splitlines()
+          if line.strip() and line != "result 4.0"]
+
+
+def test_an_unreadable_entry_of_jax_cache_is_reported_once_and_replaced(tmp_path):
+  cache = tmp_path / "cache"
+  assert _launch(cache) == []
+  (entry,) = cache.glob("jit_*-cache")
+  good = entry.read_bytes()
+  entry.write_bytes(good[:len(good) // 2])  # a write cut short
+  (line,) = _launch(cache)
+  assert line.startswith(f"t5lite: warning: compilation cache entry {entry} unreadable (")
+  assert "written in its place" in line
+  assert entry.read_bytes() == good
+  assert _launch(cache) == []
+
+
+def _unprivileged():
+  """A command prefix under which permission bits bind this user: root
+  drops the capability that overrides them."""
+  if os.geteuid() != 0:
+    return []
+  return ["setpriv", "--inh-caps=-dac_override", "--bounding-set=-dac_override"]
+
+
+@pytest.mark.slow
+def test_a_read_only_cache_is_read_with_one_line_and_the_run_succeeds(tmp_path):
+  from test_cli import BIN, cli_env
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  cache.chmod(0o555)
+  done = subprocess.run([*_unprivileged(), os.path.join(BIN, "t5lite-train"), *TINY,
+                         f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                         f"--compilation_cache_dir={cache}"],
+                        cwd=str(tmp_path), env=cli_env(), capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  said = [line for line in (done.stdout + done.stderr).splitlines()
+          if "warning" in line.lower() or "persistent compilation cache" in line]
+  assert said == [f"t5lite: warning: compilation cache {cache} is read-only (Permission "
+                  "denied); its programs are read, none are written."], said
+  assert list(cache.iterdir()) == []
+  assert list((tmp_path / "run").glob("checkpoints/[0-9]*"))
 
 
 _USE = re.compile(r"compilation cache (\S+): (\d+) program\(s\) loaded, (\d+) compiled")
@@ -178,6 +242,17 @@ def test_store_reads_past_an_unreadable_entry_and_replaces_it(store, capsys):
   assert fresh.traces == 1 and (compiled(x)["y"] == 3).all()
   assert entry.read_bytes() != b"not a program"
   assert compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)(x)["y"][0] == 3
+
+
+def test_a_program_store_that_cannot_be_written_costs_one_line_not_the_run(store, capsys):
+  x = jax.numpy.ones((3,))
+  _Traced().jitted.lower(x).compile()  # into JAX's cache only: the store marks its key
+  store.parent.mkdir(exist_ok=True)
+  store.write_text("")  # a file where the store's directory should be
+  compiled = compilation_cache.load_or_compile("prog", (), (x,), _Traced().jitted.lower)
+  assert (compiled(x)["y"] == 3).all()
+  (line,) = capsys.readouterr().out.splitlines()
+  assert line.startswith("t5lite: warning: prog not kept in the program store (")
 
 
 def test_a_stale_program_is_refused_and_its_entry_removed(store):

@@ -82,3 +82,36 @@ def test_processes_other_than_0_write_the_compilation_cache_when_told(tmp_path):
     written[mode] = [n for n in os.listdir(cache) if n.startswith("jit_")] if cache.exists() else []
   assert written["jax"] == []
   assert any(n.startswith("jit__lambda-") for n in written["every"]), written
+
+
+_READ_A_DAMAGED_ENTRY = """
+import sys, warnings
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+from t5lite import jax_internals
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: x * 3 + 1)(1.0)
+(key,) = [n[:-len("-cache")] for n in __import__("os").listdir(sys.argv[1])]
+entry, access_time = jax_internals.compilation_cache_entry_files(sys.argv[1], key)
+with open(entry, "wb") as f:
+  f.write(b"damaged")
+seen = []
+jax_internals.handle_compilation_cache_read_errors(
+    (Exception,), lambda cache_key, error: seen.append(cache_key) or True)
+jax_cache.reset_cache()
+jax.clear_caches()
+with warnings.catch_warnings():
+  warnings.simplefilter("error")  # JAX's own warning would fail the read here
+  assert jax.jit(lambda x: x * 3 + 1)(1.0) == 4.0
+assert seen == [key], seen
+print(entry == sys.argv[1] + "/" + key + "-cache", access_time.endswith(key + "-atime"))
+"""
+
+
+def test_failed_compilation_cache_reads_reach_the_handler_with_the_entrys_key(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  out = subprocess.run([sys.executable, "-c", _READ_A_DAMAGED_ENTRY, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == ["True", "True"]
