@@ -52,7 +52,8 @@ flags.DEFINE_bool("compilation_cache", True,
                   "--nocompilation_cache turns it off.")
 flags.DEFINE_string("compilation_cache_dir", None,
                     "Directory of the compilation cache (default: $JAX_COMPILATION_CACHE_DIR, "
-                    "else $XDG_CACHE_HOME/t5lite/jax-compilation, ~/.cache without it).")
+                    "else $XDG_CACHE_HOME/t5lite/jax-compilation, ~/.cache without it); one "
+                    "that takes no new files is read and not written.")
 flags.DEFINE_integer("heartbeat_timeout", 100,
                      "Seconds without a heartbeat after which a peer counts as dead; the other "
                      "processes then stop, naming it.")
