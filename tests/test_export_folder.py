@@ -10,14 +10,17 @@ leaves no half folder, and an earlier export it was replacing survives.
 import errno
 import json
 import os
+import resource
 import shutil
+import signal
+import subprocess
 
 import pytest
 
 from t5lite.interop import huggingface
 
 import interop_helpers as h
-from test_cli import run_cli
+from test_cli import BIN, cli_env, run_cli
 
 BYT5 = os.path.join(h.HF, "byt5")
 SOURCE = "/runs/a/checkpoints"
@@ -179,10 +182,12 @@ def test_cli_overwrite_replaces_the_folder(tmp_path, byt5_gin):
       huggingface.HuggingFaceFolder(BYT5))
 
 
-def test_cli_exports_again_over_its_own_export_of_the_same_checkpoint(tmp_path, byt5_gin):
-  for _ in range(2):
-    result = _export_cli(tmp_path, byt5_gin)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_cli_exports_again_over_its_own_export_of_the_same_checkpoint(tmp_path, byt5,
+                                                                     byt5_gin):
+  # An earlier export of the folder names it by its absolute path.
+  _export(byt5, tmp_path / "out", source=os.path.abspath(BYT5), step=3)
+  result = _export_cli(tmp_path, byt5_gin)
+  assert result.returncode == 0, result.stderr[-3000:]
   marker = json.loads((tmp_path / "out" / "t5lite-export.json").read_text())
   assert marker["checkpoint"] == os.path.abspath(BYT5) and marker["step"] == 0
   # A copy of the checkpoint elsewhere is another checkpoint.
@@ -194,6 +199,27 @@ def test_cli_exports_again_over_its_own_export_of_the_same_checkpoint(tmp_path, 
   assert f"holds an export of {os.path.abspath(BYT5)}, not of {tmp_path / 'copy'}" in \
       _one_line(result, 2)
   assert _snapshot(tmp_path) == before
+
+
+def _files_up_to(limit):
+  """A child's files may not grow past `limit` bytes: the write fails (EFBIG)."""
+  def set_limit():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+  return set_limit
+
+
+def test_cli_export_that_runs_out_of_room_leaves_nothing(tmp_path, byt5_gin):
+  # model.safetensors is 397 kB; the config (under 1 kB) is written first.
+  result = subprocess.run(
+      [os.path.join(BIN, "t5lite-export"), f"--gin_file={byt5_gin}",
+       "--gin_file=gin/runs/export.gin", f"--gin.CHECKPOINT_PATH='{BYT5}'",
+       "--gin.EXPORT_DIR='out'"], cwd=str(tmp_path), env=cli_env(), capture_output=True,
+      text=True, timeout=600, preexec_fn=_files_up_to(300_000))
+  line = _one_line(result, 5)
+  assert f"Writing the model.safetensors of {tmp_path / 'out'} failed" in line, line
+  assert "File too large" in line, line
+  assert os.listdir(tmp_path) == []
 
 
 def test_overwrite_is_a_flag_of_export_only(tmp_path):

@@ -13,6 +13,10 @@ heads-major; the relative-position table lives in block 0 of each stack as
 `[buckets, heads]` (t5lite: `[heads, buckets]`); Switch experts are
 separate modules `experts.expert_{e}` (t5lite stacks them on a leading
 EXPERT axis) and the router is `router.classifier` `[experts, d_model]`.
+
+An export writes only where `check_export_target` allows (a new or empty
+folder, or its own earlier export of the same checkpoint, which `MARKER`
+records), into a hidden sibling folder renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -469,7 +474,7 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
   staging = _sibling(target, "export")
   os.mkdir(staging)
   try:
-    files = _write_folder(staging, config, tensors, spiece_model)
+    files = _write_folder(staging, config, tensors, spiece_model, target)
     _write_marker(staging, source, step, files)
     _put_in_place(staging, target)
   finally:
@@ -540,16 +545,26 @@ def _sibling(target: str, purpose: str) -> str:
 
 
 def _write_folder(folder: str, config: dict[str, Any], tensors: dict[str, np.ndarray],
-                  spiece_model: str | None) -> list[str]:
-  """Writes the Hugging Face files into `folder`; returns their names."""
+                  spiece_model: str | None, target: str) -> list[str]:
+  """Writes the Hugging Face files into `folder`, the staging folder of
+  `target`; returns their names."""
   with open(os.path.join(folder, CONFIG), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
-  save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+  _save_tensors(tensors, os.path.join(folder, WEIGHTS), target)
   if not spiece_model:
     return [CONFIG, WEIGHTS]
   with open(spiece_model, "rb") as src, open(os.path.join(folder, SPIECE), "wb") as dst:
     dst.write(src.read())
   return [CONFIG, WEIGHTS, SPIECE]
+
+
+def _save_tensors(tensors: dict[str, np.ndarray], file: str, target: str) -> None:
+  try:
+    save_file(tensors, file, metadata={"format": "pt"})
+  except SafetensorError as e:
+    # The arrays are contiguous float32, so what fails here is the write (a
+    # full disk, a file too large); safetensors names it with its own type.
+    raise OSError(f"Writing the {WEIGHTS} of {target} failed: {e}") from e
 
 
 def _write_marker(folder: str, source: str, step: int, files: list[str]) -> None:
