@@ -116,7 +116,9 @@ def generate(folder: str, fields: dict[str, Any], seed: int) -> int:
   rng = np.random.default_rng(seed)
   params = {name: rng.standard_normal(leaf.shape, np.float32)
             for name, leaf in tree_paths.leaves_by_name(abstract_params(fields)).items()}
-  huggingface.export(params, fields, folder)
+  # The benchmark's own folder: a rerun in the same --workdir replaces it.
+  huggingface.export(params, fields, folder, source=f"random weights, seed {seed}",
+                     overwrite=True)
   return sum(p.size for p in params.values())
 
 

@@ -1,4 +1,4 @@
-"""Command-line entry points: t5lite-train, t5lite-eval, t5lite-infer.
+"""Command-line entry points: t5lite-train, t5lite-eval, t5lite-infer, t5lite-export.
 
 T5X-compatible flags: --gin_file (repeatable, later files win),
 --gin_bindings (repeatable, beat files), --gin.NAME=VALUE (same as a
@@ -46,6 +46,10 @@ flags.DEFINE_bool("dry_run", False,
                   "t5lite-train only: validate the config, build the model and mesh "
                   "abstractly and print parameters, memory per device, partitioning, data "
                   "and the checkpoint/eval schedule; compiles nothing, writes nothing.")
+flags.DEFINE_bool("overwrite", False,
+                  "t5lite-export only: replace EXPORT_DIR whatever it holds. Without it an "
+                  "export goes only to a new or empty folder, or over an earlier export of "
+                  "the same checkpoint.")
 flags.DEFINE_bool("compilation_cache", True,
                   "Keep compiled programs in JAX's persistent compilation cache, so a restart "
                   "or a rerun of the same configuration loads them instead of compiling; "
@@ -484,6 +488,9 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     if FLAGS.dry_run and entry is not _train_entry:
       raise ValueError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
                        "the flag, or check the training config with t5lite-train --dry_run.")
+    if FLAGS.overwrite and entry is not _export_entry:
+      raise ValueError("--overwrite is a t5lite-export flag (it lets an export replace "
+                       "EXPORT_DIR); this command has no use for it. Drop the flag.")
     check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
     # A dry run compiles nothing, so it leaves the cache directory alone too.
     compilation_cache.configure(FLAGS.compilation_cache_dir,
@@ -652,13 +659,18 @@ def infer_main() -> None:
   _main(entry)
 
 
+def _export_entry() -> Callable[..., object]:
+  import functools
+  import gin
+  from t5lite import evaluate
+  configured = gin.get_configurable(evaluate.export_huggingface)
+  # Without the flag, a gin binding of `overwrite` still applies.
+  return functools.partial(configured, overwrite=True) if FLAGS.overwrite else configured
+
+
 def export_main() -> None:
   """`t5lite-export`."""
-  def entry():
-    import gin
-    from t5lite import evaluate
-    return gin.get_configurable(evaluate.export_huggingface)
-  _main(entry)
+  _main(_export_entry)
 
 
 if __name__ == "__main__":

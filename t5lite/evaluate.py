@@ -341,7 +341,7 @@ def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, fl
 
 def export_huggingface(*, model: Any, partitioner: Partitioner,
                        restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig,
-                       output_dir: str) -> list[str]:
+                       output_dir: str, overwrite: bool = False) -> list[str]:
   """Writes a checkpoint's model as a Hugging Face folder (`t5lite-export`).
 
   Args:
@@ -350,15 +350,19 @@ def export_huggingface(*, model: Any, partitioner: Partitioner,
     partitioner: mesh and rules to restore on.
     restore_checkpoint_cfg: the checkpoint: a step directory, a model_dir or
       checkpoints directory (its newest step), or a foreign checkpoint.
-    output_dir: the folder to write `config.json`, `model.safetensors` and,
-      for a SentencePiece vocabulary, `spiece.model` into.
+    output_dir: the folder to write `config.json`, `model.safetensors`, for
+      a SentencePiece vocabulary `spiece.model`, and `t5lite-export.json`
+      (the checkpoint it holds) into: a new or empty folder, or a previous
+      export of the same checkpoint (of any step of the same run).
+    overwrite: replace `output_dir` whatever it holds (`--overwrite`).
 
   Returns:
     The files written (by process 0).
 
   Raises:
-    ValueError: the model has no Hugging Face counterpart, or there is no
-      checkpoint; checked before anything is written.
+    ValueError: the model has no Hugging Face counterpart, there is no
+      checkpoint, or `output_dir` holds something else than an export of
+      this checkpoint; checked before anything is written.
   """
   fields = interop.export_fields(model)  # refuses models with no counterpart first
   if interop.checkpoint_format(restore_checkpoint_cfg.path):
@@ -368,12 +372,15 @@ def export_huggingface(*, model: Any, partitioner: Partitioner,
         restore_checkpoint_cfg.path or "")).isdigit() else "latest"
     directory, step = ckpt_lib.resolve_restore_path(
         dataclasses.replace(restore_checkpoint_cfg, mode=mode))
+  source = os.path.abspath(directory)
+  interop.check_export_target(output_dir, source, overwrite)
   partitioner.validate()
   _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, directory)
   params = restore(step)
   # Every process joins the gather of the parameters; process 0 writes.
   written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary,
-                                       write=jax.process_index() == 0)
+                                       write=jax.process_index() == 0, source=source,
+                                       step=step, overwrite=overwrite)
   metrics_lib.log_line(f"Wrote a Hugging Face folder of {directory} (step {step}) to "
                        f"{output_dir}: {', '.join(os.path.basename(w) for w in written)}")
   return written

@@ -121,7 +121,8 @@ def test_export_gives_back_the_same_arrays_and_config(tmp_path, family):
   source = os.path.join(h.HF, family)
   model, _, batch, params = _import(family)
   fields = interop.export_fields(model)
-  interop.export_huggingface(params, fields, str(tmp_path), model.input_vocabulary)
+  interop.export_huggingface(params, fields, str(tmp_path), model.input_vocabulary,
+                             source=source)
   original, exported = (huggingface.HuggingFaceFolder(p) for p in (source, str(tmp_path)))
   assert huggingface.model_config(exported) == huggingface.model_config(original)
   assert set(exported.files) == set(original.files) - set(huggingface._IGNORED)
@@ -166,7 +167,7 @@ def test_transformers_loads_the_export_and_gives_t5lite_logits(tmp_path, name):
   model, params, batch = _roundtrip_source(name)
   # The exporter still writes exactly the arrays transformers was given.
   interop.export_huggingface(params, interop.export_fields(model), str(tmp_path),
-                             model.input_vocabulary)
+                             model.input_vocabulary, source=name)
   fresh = huggingface.HuggingFaceFolder(str(tmp_path))
   committed = huggingface.HuggingFaceFolder(os.path.join(ROUNDTRIP, name))
   assert set(fresh.files) == set(committed.files)

@@ -334,22 +334,39 @@ def _unscan(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return out
 
 
+def check_export_target(output_dir: str, source: str, overwrite: bool = False) -> None:
+  """Raises the ValueError of `export_huggingface` for a folder it may not
+  write; see `huggingface.check_export_target`."""
+  huggingface.check_export_target(output_dir, source, overwrite)
+
+
 def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
-                       vocabulary: Any, write: bool = True) -> list[str]:
+                       vocabulary: Any, write: bool = True, *, source: str, step: int = 0,
+                       overwrite: bool = False) -> list[str]:
   """Writes a t5lite encoder-decoder's parameters as a Hugging Face folder.
 
   Args:
     params: the model's parameter tree (jax or numpy arrays; every process
       must call this in a multi-process job, which gathers them).
     fields: from `export_fields`.
-    output_dir: the folder to write.
+    output_dir: the folder to write: new, empty, or a previous export of
+      `source` (`huggingface.check_export_target`); written whole or not at
+      all.
     vocabulary: the model's input vocabulary; a SentencePiece one is copied
       as `spiece.model`.
     write: whether this process writes (in a multi-process job, only one
       should; all of them gather).
+    source: the checkpoint the parameters come from, recorded in the
+      folder's `huggingface.MARKER`.
+    step: its training step, recorded with it.
+    overwrite: replace whatever folder `output_dir` is.
 
   Returns:
     The files written (none when `write` is False).
+
+  Raises:
+    ValueError: the folder holds something else than a previous export of
+      `source` and `overwrite` is False; nothing is written then.
   """
   from jax.experimental import multihost_utils
   host = {name: np.asarray(multihost_utils.process_allgather(value, tiled=True))
@@ -357,4 +374,5 @@ def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
   if not write:
     return []
   spiece = getattr(vocabulary, "sentencepiece_model_file", None)
-  return huggingface.export(_unscan(host), fields, output_dir, spiece)
+  return huggingface.export(_unscan(host), fields, output_dir, spiece, source=source,
+                            step=step, overwrite=overwrite)

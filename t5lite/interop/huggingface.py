@@ -13,16 +13,23 @@ heads-major; the relative-position table lives in block 0 of each stack as
 `[buckets, heads]` (t5lite: `[heads, buckets]`); Switch experts are
 separate modules `experts.expert_{e}` (t5lite stacks them on a leading
 EXPERT axis) and the router is `router.classifier` `[experts, d_model]`.
+
+An export writes only where `check_export_target` allows (a new or empty
+folder, or its own earlier export of the same checkpoint, which `MARKER`
+records), into a hidden sibling folder renamed into place when complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -32,6 +39,10 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SPIECE = "spiece.model"
+# Written into every export last: which checkpoint it holds and what files
+# (with their sizes) the export wrote, so a later export of the same
+# checkpoint knows the folder is its own to replace.
+MARKER = "t5lite-export.json"
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.bin")
 MODEL_TYPES = ("t5", "mt5", "switch_transformers")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -425,34 +436,160 @@ def _switch_config(fields: dict[str, Any], activations: tuple[str, ...]) -> dict
 
 
 def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: str,
-           spiece_model: str | None = None) -> list[str]:
+           spiece_model: str | None = None, *, source: str, step: int = 0,
+           overwrite: bool = False) -> list[str]:
   """Writes a Hugging Face folder of an unscanned t5lite encoder-decoder.
+
+  The folder is written whole or not at all: into a new sibling folder,
+  renamed into place when complete. A previous export there is moved aside
+  first and back if the rename fails, and deleted once the new one is in
+  place.
 
   Args:
     params: t5lite unscanned parameter path -> host array.
     fields: the model's `TransformerConfig` fields.
-    output_dir: the folder to write (created).
+    output_dir: the folder to write (created); see `check_export_target`.
     spiece_model: a SentencePiece model to copy as `spiece.model`, or None.
+    source: the checkpoint the parameters come from, recorded in `MARKER`.
+    step: its training step, recorded in `MARKER`.
+    overwrite: replace whatever folder `output_dir` is.
 
   Returns:
-    The files written.
+    The files written, `MARKER` last.
 
   Raises:
-    ValueError: the model has no Hugging Face counterpart.
+    ValueError: the model has no Hugging Face counterpart, or
+      `check_export_target` refuses the folder; nothing is written then.
   """
   config = hf_config(fields)
   tensors = {}
   for ours, names, kind in name_pairs(fields, bool(fields.get("num_experts"))):
     for name, value in zip(names, _export_one([np.asarray(params[ours])], kind)):
       tensors[name] = np.ascontiguousarray(value, dtype=np.float32)
-  os.makedirs(output_dir, exist_ok=True)
-  written = [os.path.join(output_dir, CONFIG), os.path.join(output_dir, WEIGHTS)]
-  with open(written[0], "w") as f:
+  check_export_target(output_dir, source, overwrite)
+  # A symlinked folder is replaced where it really is, so the renames stay
+  # on its file system.
+  target = os.path.realpath(output_dir)
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  staging = _sibling(target, "export")
+  os.mkdir(staging)
+  try:
+    files = _write_folder(staging, config, tensors, spiece_model, target)
+    _write_marker(staging, source, step, files)
+    _put_in_place(staging, target)
+  finally:
+    if os.path.lexists(staging):  # the export failed before its rename
+      shutil.rmtree(staging)
+  return [os.path.join(output_dir, name) for name in [*files, MARKER]]
+
+
+def check_export_target(output_dir: str, source: str, overwrite: bool = False) -> None:
+  """Refuses to export into a folder holding anything t5lite did not write.
+
+  An export may go to a new or empty folder, or replace a previous export of
+  the same checkpoint: a folder whose `MARKER` names `source` and that holds
+  only the files that export wrote, each at the size it wrote. `overwrite`
+  allows any folder (it is replaced with everything in it).
+
+  Args:
+    output_dir: the folder to write.
+    source: the checkpoint to export, as the marker records it (t5lite-export
+      gives the absolute path of a run's checkpoints directory, so every step
+      of one run counts as the same checkpoint, or of a foreign checkpoint).
+    overwrite: whether any folder may be replaced.
+
+  Raises:
+    ValueError: `output_dir` is not a folder, or it is a non-empty folder
+      other than a previous export of `source` and `overwrite` is False.
+  """
+  if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+    raise ValueError(f"Export folder {output_dir} exists and is not a folder; name a new "
+                     "folder.")
+  if overwrite or not os.path.isdir(output_dir) or not os.listdir(output_dir):
+    return
+  reason = _not_an_export_of(output_dir, source)
+  if reason is not None:
+    raise ValueError(f"Export folder {output_dir} is not empty and {reason}; an export only "
+                     "replaces an earlier export of the same checkpoint. Name a new folder, "
+                     "or pass --overwrite to replace this one and everything in it.")
+
+
+def _not_an_export_of(folder: str, source: str) -> str | None:
+  """Why `folder` is not an untouched export of `source`; None when it is one."""
+  marker_file = os.path.join(folder, MARKER)
+  if not os.path.isfile(marker_file):
+    return f"was not written by t5lite (it has no {MARKER})"
+  try:
+    with open(marker_file) as f:
+      marker = json.load(f)
+  except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    return f"its {MARKER} is unreadable ({e})"
+  if not (isinstance(marker, dict) and isinstance(marker.get("files"), dict)):
+    return f"its {MARKER} is not one t5lite wrote"
+  if marker.get("checkpoint") != source:
+    return f"holds an export of {marker.get('checkpoint')}, not of {source}"
+  sizes = marker["files"]
+  for name in sorted(set(os.listdir(folder)) - {MARKER}):
+    path = os.path.join(folder, name)
+    if name not in sizes:
+      return f"holds {name}, which its export did not write"
+    if not os.path.isfile(path) or os.path.getsize(path) != sizes[name]:
+      return f"its {name} changed after the export wrote it"
+  return None
+
+
+def _sibling(target: str, purpose: str) -> str:
+  """A fresh hidden name next to `target`, on the same file system."""
+  parent, name = os.path.split(target)
+  return os.path.join(parent, f".{name}.t5lite-{purpose}-{secrets.token_hex(4)}")
+
+
+def _write_folder(folder: str, config: dict[str, Any], tensors: dict[str, np.ndarray],
+                  spiece_model: str | None, target: str) -> list[str]:
+  """Writes the Hugging Face files into `folder`, the staging folder of
+  `target`; returns their names."""
+  with open(os.path.join(folder, CONFIG), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
-  save_file(tensors, written[1], metadata={"format": "pt"})
-  if spiece_model:
-    target = os.path.join(output_dir, SPIECE)
-    with open(spiece_model, "rb") as src, open(target, "wb") as dst:
-      dst.write(src.read())
-    written.append(target)
-  return written
+  _save_tensors(tensors, os.path.join(folder, WEIGHTS), target)
+  if not spiece_model:
+    return [CONFIG, WEIGHTS]
+  with open(spiece_model, "rb") as src, open(os.path.join(folder, SPIECE), "wb") as dst:
+    dst.write(src.read())
+  return [CONFIG, WEIGHTS, SPIECE]
+
+
+def _save_tensors(tensors: dict[str, np.ndarray], file: str, target: str) -> None:
+  try:
+    save_file(tensors, file, metadata={"format": "pt"})
+  except SafetensorError as e:
+    # The arrays are contiguous float32, so what fails here is the write (a
+    # full disk, a file too large); safetensors names it with its own type.
+    raise OSError(f"Writing the {WEIGHTS} of {target} failed: {e}") from e
+
+
+def _write_marker(folder: str, source: str, step: int, files: list[str]) -> None:
+  sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
+  with open(os.path.join(folder, MARKER), "w") as f:
+    json.dump({"checkpoint": source, "step": step, "files": sizes}, f, indent=2)
+
+
+def _put_in_place(staging: str, target: str) -> None:
+  """Renames the finished `staging` folder to `target`.
+
+  A non-empty folder at `target` is moved aside first, moved back if the
+  rename fails, and deleted once the new folder is in place; only a kill
+  between the two renames leaves it under its aside name.
+  """
+  if not os.path.isdir(target) or not os.listdir(target):
+    os.replace(staging, target)  # onto nothing, or an empty folder
+    return
+  aside = _sibling(target, "replaced")
+  os.rename(target, aside)
+  placed = False
+  try:
+    os.rename(staging, target)
+    placed = True
+  finally:
+    if not placed:
+      os.rename(aside, target)
+  shutil.rmtree(aside)

@@ -31,22 +31,22 @@ from t5lite import interop  # noqa: E402
 OUT = os.path.join(HERE, "roundtrip")
 
 
-def _export(name, model, params):
+def _export(name, model, params, source):
   target = os.path.join(OUT, name)
   shutil.rmtree(target, ignore_errors=True)
   interop.export_huggingface(params, interop.export_fields(model), target,
-                             model.input_vocabulary)
+                             model.input_vocabulary, source=source)
   print("wrote", target)
 
 
 def main():
   for family in ("t5_v1_0", "t5_v1_1", "switch"):
     model, _, _, params = hf_tests._import(family)
-    _export(family, model, params)
+    _export(family, model, params, os.path.join(h.HF, family))
   model = h.t5x_model("a")
   params = interop.load_params(h.T5X_CHECKPOINTS["a", "orbax"],
                                h.abstract_params(model, h.t5x_batch("a")))
-  _export("t5x_a", model, params)
+  _export("t5x_a", model, params, h.T5X_CHECKPOINTS["a", "orbax"])
 
 
 if __name__ == "__main__":
