@@ -263,8 +263,18 @@ def test_bfloat16_experts_keep_a_float32_router():
                            mutable=["intermediates"])
   assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
   assert all(v[0].dtype == jnp.float32 for v in state["intermediates"].values())
-  reference, _ = _apply(_layer(), _params(), _inputs(6).astype(jnp.bfloat16))
-  np.testing.assert_allclose(out.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
+  # The float32 reference takes the experts' weights as the bfloat16 layer
+  # holds them (the router stays float32 in both). What is left is the
+  # rounding of activations to bfloat16, at most 2**-8 of a value each (8
+  # significant bits): the hidden activations, then the output, so within
+  # 2 * 2**-8 of the output's largest magnitude.
+  params = _params()
+  rounded = {name: value if name == "router" else
+             jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16).astype(jnp.float32), value)
+             for name, value in params.items()}
+  reference, _ = _apply(_layer(), rounded, _inputs(6).astype(jnp.bfloat16))
+  bound = 2 * 2.0 ** -8 * float(np.abs(reference).max())
+  np.testing.assert_allclose(out.astype(jnp.float32), reference, rtol=0, atol=bound)
 
 
 def test_jitter_only_in_training():
