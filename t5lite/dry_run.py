@@ -344,22 +344,24 @@ def _dataset(cfg: DatasetConfig) -> str:
 
 
 def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None,
-           resume_step: int | None = None) -> tuple[int, str]:
-  """The step a run starts at (`state_init.find_start`), and in words."""
+           resume_step: int | None = None) -> tuple[int, str, state_init.Start]:
+  """The step a run starts at (`state_init.find_start`), in words, and the
+  decision itself."""
   start = state_init.find_start(model_dir, restore, resume_step)
   step, plan = start.step, start.plan
   if start.kind == "resume" and not plan.aside_subdir:
-    return step, f"resumes from checkpoint {step} in MODEL_DIR"
+    return step, f"resumes from checkpoint {step} in MODEL_DIR", start
   if start.kind == "resume":
     return step, (f"resumes from checkpoint {step} in MODEL_DIR, train.resume_step; newer "
-                  f"steps {list(plan.set_aside)} move to MODEL_DIR/{plan.aside_subdir}")
+                  f"steps {list(plan.set_aside)} move to MODEL_DIR/{plan.aside_subdir}"), start
   if start.kind in ("import", "params"):
-    return 0, f"parameters from {restore.path}, step 0"
+    return 0, f"parameters from {restore.path}, step 0", start
   if start.kind == "import_state":
-    return step, f"continues the T5X run of {restore.path} (parameters and Adafactor) at step {step}"
+    return step, (f"continues the T5X run of {restore.path} (parameters and Adafactor) at "
+                  f"step {step}"), start
   if start.kind == "restore":
-    return step, f"restores step {step} from {restore.path}"
-  return 0, "fresh start"
+    return step, f"restores step {step} from {restore.path}", start
+  return 0, "fresh start", start
 
 
 def schedule(*, periods: Periods, model_dir: str,
@@ -367,7 +369,7 @@ def schedule(*, periods: Periods, model_dir: str,
              relative_steps: int | None, evaluators: str, eval_at_start: bool,
              resume_step: int | None = None) -> Schedule:
   """The steps the loop checkpoints and evaluates at (`Periods.saves_at`, `.evaluates_at`)."""
-  start, start_from = _start(model_dir, checkpoint_cfg.restore, resume_step)
+  start, start_from, decided = _start(model_dir, checkpoint_cfg.restore, resume_step)
   end = start + relative_steps if relative_steps is not None else total_steps
   steps = range(start + 1, end + 1)
   saves = tuple(s for s in steps if periods.saves_at(s, end))
@@ -378,17 +380,21 @@ def schedule(*, periods: Periods, model_dir: str,
       evals = (start,) + evals
   return Schedule(start=start, start_from=start_from, end=end, epoch=periods.epoch,
                   stats=periods.stats, checkpoints=saves,
-                  kept=_kept(model_dir, saves, checkpoint_cfg.save), evaluations=evals,
+                  kept=_kept(model_dir, saves, checkpoint_cfg.save, decided.plan.set_aside),
+                  evaluations=evals,
                   evaluators=evaluators)
 
 
-def _kept(model_dir: str, saves: Sequence[int],
-          save: ckpt_lib.SaveCheckpointConfig | None) -> tuple[int, ...] | None:
-  """Steps on disk at the end under the keep rules; None when all are kept."""
+def _kept(model_dir: str, saves: Sequence[int], save: ckpt_lib.SaveCheckpointConfig | None,
+          set_aside: Sequence[int]) -> tuple[int, ...] | None:
+  """Steps on disk at the end under the keep rules; None when all are kept.
+  Steps that `train.resume_step` sets aside leave `checkpoints/` before the
+  first save, so they neither count against `keep` nor stay."""
   if save is None or save.keep is None:
     return None
   existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
   on_disk = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
+  on_disk = [s for s in on_disk if s not in set(set_aside)]
   steps = sorted(set(on_disk) | set(saves))
   forever = {s for s in steps if save.keep_every_n_steps and s % save.keep_every_n_steps == 0}
   return tuple(sorted(forever | set(steps[-save.keep:])))

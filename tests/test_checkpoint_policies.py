@@ -53,3 +53,22 @@ def test_period_last_step_extra_steps_keep_and_keep_every_n(tmp_path):
   # period). Kept: the newest two (8, 9) and multiples of 3 (3, 9); 4 is pruned.
   assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 8, 9]
   assert int(_read(model_dir / "checkpoints" / "9")["step"]) == 9
+
+
+def test_dry_run_names_the_steps_a_resume_step_run_keeps(tmp_path):
+  """Steps 1-6 saved, then keep 3 and resume_step=2 up to step 4: the newer
+  steps are set aside first, so 2, 3 and 4 stay; the dry run says the same."""
+  model_dir = tmp_path / "run"
+  first = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.CHECKPOINT_PERIOD=1",
+           "--gin.EVAL_PERIOD=6", "--gin.STATS_PERIOD=1"]
+  out = run_cli([*first, "--gin.TRAIN_STEPS=6", "--gin.CHECKPOINTS_TO_KEEP=None"],
+                cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  again = [*first, "--gin.TRAIN_STEPS=4", "--gin.CHECKPOINTS_TO_KEEP=3",
+           "--gin.train.resume_step=2"]
+  planned = run_cli([*again, "--dry_run"], cwd=str(tmp_path))
+  assert planned.returncode == 0, planned.stderr[-3000:]
+  assert "kept at the end: 2, 3, 4" in planned.stdout, planned.stdout
+  out = run_cli(again, cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [2, 3, 4]
