@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -106,7 +106,7 @@ class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 @contextlib.contextmanager
-def _reads_finished() -> Any:
+def _reads_finished() -> Iterator[None]:
   """Orbax's reads in this block run in `_DrainingEventLoop`s: a failed read
   leaves nothing running behind it."""
   previous = asyncio.get_event_loop_policy()
