@@ -8,10 +8,12 @@ crash never leaves a step that looks finished.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -47,12 +49,72 @@ class CheckpointMismatchError(ValueError):
   """A readable checkpoint whose arrays do not fit this model and optimizer."""
 
 
+# What reading damaged or missing checkpoint files raises: TensorStore's
+# errors (DATA_LOSS, OUT_OF_RANGE, ...) and undecodable JSON are ValueErrors,
+# a missing file is an OSError, a metadata file of another layout a KeyError.
+_UNREADABLE = (OSError, ValueError, KeyError)
+
+
 def _reason(error: BaseException) -> str:
   """The first line of an error, for a one-line message."""
   lines = str(error).strip().splitlines()
   text = " ".join(lines[0].split()) if lines else type(error).__name__
   # TensorStore puts the OS's reason ("No space left on device") last.
   return text if len(text) <= 400 else f"{text[:240]} ... {text[-150:]}"
+
+
+# TensorStore ends a message with the whole spec of the array it was reading:
+# a screen of JSON after the reason.
+_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]", re.DOTALL)
+
+
+def _read_reason(error: BaseException) -> str:
+  """`_reason` of a failed read, without TensorStore's spec."""
+  text = _TENSORSTORE_SPEC.sub("", str(error))
+  return _reason(ValueError(text) if text != str(error) else error)
+
+
+# How long a failed read waits for the reads still in flight beside it.
+_DRAIN_SECONDS = 120.0
+
+
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that lets its tasks finish before it closes.
+
+  Orbax runs the TensorStore reads of a checkpoint with `asyncio.gather` in a
+  loop of its own, and closes that loop as soon as the first read fails. The
+  other reads are still in flight: as each finishes, TensorStore's thread
+  hands its result to the closed loop (`RuntimeError: Event loop is closed`,
+  a traceback each), and those that failed too are logged whenever their
+  tasks are collected (`Task exception was never retrieved`), at exit
+  included. Closing only once they are done ends every read inside its loop,
+  where `gather` takes their errors; the first one is still what Orbax raises.
+  """
+
+  def close(self) -> None:
+    if not self.is_closed() and not self.is_running():
+      pending = asyncio.all_tasks(self)
+      # With nothing pending, one pass still runs the callbacks already due
+      # (gather's, which take the errors of reads that ended with the first).
+      self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_SECONDS) if pending
+                              else asyncio.sleep(0))
+    super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+  _loop_factory = _DrainingEventLoop
+
+
+@contextlib.contextmanager
+def _reads_finished() -> Iterator[None]:
+  """Orbax's reads in this block run in `_DrainingEventLoop`s: a failed read
+  leaves nothing running behind it."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_DrainingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
 
 
 @dataclasses.dataclass
@@ -225,13 +287,19 @@ def _saved_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
 
   Raises:
     CheckpointReadError: its metadata cannot be read or lists no arrays
-      (damaged or missing files; Orbax then reports an empty tree).
+      (damaged or missing files).
   """
+  # The handler, not a Checkpointer: Checkpointer.metadata logs the error and
+  # answers None, which loses the reason.
+  handler = ocp.StandardCheckpointHandler()
   try:
-    metadata = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, _ITEM)).item_metadata
-    saved = _shapes_by_path(metadata) if metadata is not None else {}
-  except Exception as e:  # noqa: BLE001 - whatever the damage, the step is unreadable
-    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_reason(e)}") from e
+    with _reads_finished():
+      metadata = handler.metadata(epath.Path(step_dir) / _ITEM)
+  except _UNREADABLE as e:
+    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}") from e
+  finally:
+    handler.close()
+  saved = _shapes_by_path(metadata) if metadata is not None else {}
   if not saved:
     raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: its metadata lists no "
                               "arrays (damaged or missing files)")
@@ -305,12 +373,11 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
   step_dir = os.path.join(str(manager.directory), str(step))
   check_matches(step_dir, abstract_state)
   try:
-    state = manager.restore(step, args=ocp.args.Composite(
-        **{_ITEM: ocp.args.StandardRestore(abstract_state)}))[_ITEM]
-  except jax.errors.JaxRuntimeError:
-    raise  # the devices failed (out of memory, a lost peer), not the files
-  except Exception as e:  # noqa: BLE001 - damaged files fail in many ways
-    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_reason(e)}") from e
+    with _reads_finished():
+      state = manager.restore(step, args=ocp.args.Composite(
+          **{_ITEM: ocp.args.StandardRestore(abstract_state)}))[_ITEM]
+  except _UNREADABLE as e:
+    raise CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}") from e
   with_data = dataset_iterator is not None and _has_dataset(manager, step)
   if with_data:
     with_data = _restore_iterator(manager, step, dataset_iterator)
@@ -321,7 +388,9 @@ def _restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any) 
   """Restores a saved data iterator in place; False (the caller fast-forwards)
   when it was saved from another pipeline, e.g. by an older t5lite."""
   try:
-    manager.restore(step, args=ocp.args.Composite(**{_DATASET: DatasetIteratorArgs(iterator)}))
+    with _reads_finished():
+      manager.restore(step, args=ocp.args.Composite(
+          **{_DATASET: DatasetIteratorArgs(iterator)}))
   except (tf.errors.OpError, AssertionError) as e:
     logging.warning("The data iterator saved at step %d does not fit this pipeline (%s); "
                     "the data is fast-forwarded to that step instead.", step,
@@ -536,7 +605,7 @@ def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
     return root, int(name)
   if os.path.isdir(os.path.join(path, CHECKPOINTS_SUBDIR)):
     path = os.path.join(path, CHECKPOINTS_SUBDIR)
-  step = _manager(path, read_only=True).latest_step() if os.path.isdir(path) else None
+  step = max(list_steps(path)[1], default=None)
   if step is None:
     raise ValueError(f"No checkpoint found under restore path '{config.path}'.")
   return path, step
@@ -626,11 +695,15 @@ def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> t
   try:
     return _restore(manager, step, abstract_state)[0], step
   except CheckpointReadError as e:
-    steps = sorted(manager.all_steps())
-    raise CheckpointReadError(f"{e}. Use another step (steps in {directory}: {steps}), or "
-                              "replace this one from a copy.") from e
+    raise _naming_other_steps(e, directory) from e
   finally:
     manager.close()
+
+
+def _naming_other_steps(error: CheckpointReadError, directory: str) -> CheckpointReadError:
+  """`error` of an explicitly named step, with the way out."""
+  return CheckpointReadError(f"{error}. Use another step (steps in {directory}: "
+                             f"{list_steps(directory)[1]}), or replace this one from a copy.")
 
 
 def abstract_with_shardings(state_dict: Any, shardings: Any) -> Any:
@@ -689,14 +762,20 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
     The plan `load_params` carries out.
 
   Raises:
+    CheckpointReadError: the checkpoint's metadata cannot be read.
     ValueError: no checkpoint at `config.path`; or, naming up to five
       parameters, a shape mismatch (when `strict`) or a parameter missing from
       the checkpoint (unless `fallback_to_scratch`).
   """
   directory, step = resolve_restore_path(config)
-  state_dir = os.path.join(directory, str(step), _ITEM)
-  metadata = ocp.StandardCheckpointer().metadata(state_dir).item_metadata
-  saved = _shapes_by_path(metadata["params"])
+  step_dir = os.path.join(directory, str(step))
+  state_dir = os.path.join(step_dir, _ITEM)
+  try:
+    recorded = _saved_shapes(step_dir)
+  except CheckpointReadError as e:
+    raise _naming_other_steps(e, directory) from e
+  saved = {path.removeprefix("params/"): shape for path, shape in recorded.items()
+           if path.startswith("params/")}
   sources, fresh, warnings, problems = {}, [], [], []
   for path, shape in sorted(_shapes_by_path(abstract_params).items()):
     source = checkpoint_param_path(path, config.assignment_map)
@@ -740,9 +819,18 @@ def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndar
     return {}
   item = {"params": _nested(paths, 0)}
   restore_args = {"params": _nested(paths, ocp.RestoreArgs(restore_type=np.ndarray))}
-  restored = ocp.PyTreeCheckpointer().restore(
-      state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
-                                             partial_restore=True))
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    with _reads_finished():
+      restored = checkpointer.restore(
+          state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                 partial_restore=True))
+  except _UNREADABLE as e:
+    step_dir = os.path.dirname(state_dir)
+    raise _naming_other_steps(CheckpointReadError(
+        f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}"), os.path.dirname(step_dir)) from e
+  finally:
+    checkpointer.close()
   return tree_paths.leaves_by_name(restored["params"])
 
 
@@ -758,6 +846,9 @@ def load_params(plan: ParamsRestorePlan, params: Any) -> Any:
 
   Returns:
     A tree like `params`.
+
+  Raises:
+    CheckpointReadError: the planned arrays cannot be read.
   """
   host = _read_host_params(plan.state_dir, sorted(set(plan.sources.values())))
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)

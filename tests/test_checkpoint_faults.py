@@ -18,6 +18,7 @@ from t5lite import checkpoints, cli, dry_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "checkpoint_fault_worker.py")
+READER = os.path.join(HERE, "checkpoint_read_worker.py")
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +157,7 @@ def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(tmp_path):
 
   again = run_cli([*base, "--gin.TRAIN_STEPS=10"], cwd=str(tmp_path))
   assert again.returncode == 0, again.stderr[-3000:]
+  assert not [x for x in _READ_NOISE if x in again.stderr], again.stderr[-3000:]
   for bad in (8, 6, 4):  # one warning each, naming the damaged step and the one restored
     line = next(x for x in again.stdout.splitlines()
                 if x.startswith(f"Warning: Checkpoint {ckpts}/{bad} is unreadable"))
@@ -193,6 +195,7 @@ def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(tm
   before = _files(model_dir)
   out = run_cli([*base, "--gin.TRAIN_STEPS=6"], cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-3000:]
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
   last = out.stderr.strip().splitlines()[-1]
   assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
   assert "(so are steps [2])" in last and "Move the damaged step directories out of" in last
@@ -205,9 +208,61 @@ def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(tm
                    f"--gin.INPUT_FILE='{tmp_path / 'in.txt'}'"],
                   cwd=str(tmp_path), script="t5lite-infer")
   assert infer.returncode == 2, infer.stderr[-3000:]
+  assert len(infer.stderr.strip().splitlines()) == 1, infer.stderr[-3000:]
   last = infer.stderr.strip().splitlines()[-1]
   assert f"Checkpoint {model_dir}/checkpoints/4 is unreadable" in last, last
   assert "Use another step (steps in" in last
+
+
+# What a failed read left running printed tracebacks now and then, during the
+# run or at its exit: each worker reads the damaged step several times.
+_READ_NOISE = ("Traceback", "Event loop is closed", "Task exception was never retrieved")
+_READS = 8
+
+
+def _read_damaged(tmp_path, damage, how):
+  out = subprocess.run([sys.executable, READER, damage, how, str(tmp_path / "run"), str(_READS)],
+                       capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert not [x for x in _READ_NOISE if x in out.stderr], out.stderr[-3000:]
+  return out
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "manifest"])
+def test_fallback_past_an_unreadable_step_is_one_warning_line_every_time(tmp_path, damage):
+  out = _read_damaged(tmp_path, damage, "fallback")
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert len(lines) == _READS, out.stdout
+  for step, line in enumerate(lines, start=2):
+    assert line.startswith(f"Warning: Checkpoint {tmp_path}/run/checkpoints/{step} is "
+                           "unreadable: "), line
+    assert line.endswith(f"; falling back to step 1. Nothing is deleted: step {step} moves to "
+                         "MODEL_DIR/checkpoints-unreadable/."), line
+    assert "tensorstore_spec" not in line  # TensorStore's screen of JSON is not the reason
+
+
+@pytest.mark.parametrize("how", ["all", "path", "params"])
+def test_no_readable_step_is_one_line_naming_it_every_time(tmp_path, how):
+  # all: a MODEL_DIR of damaged steps; path: t5lite-eval, t5lite-infer and a
+  # whole-state INITIAL_CHECKPOINT_PATH; params: a params-only one.
+  out = _read_damaged(tmp_path, "garbage", how)
+  assert out.returncode == 2, out.stderr[-3000:]
+  directory = f"{tmp_path}/run/checkpoints"
+  # all: every read names the newest step; the others name the step they read.
+  steps = [_READS + 1] * _READS if how == "all" else range(2, _READS + 2)
+  lines = [*out.stdout.splitlines(), out.stderr.strip().splitlines()[-1]]
+  assert len(lines) == _READS, out.stdout
+  for step, line in zip(steps, lines):
+    assert line.removeprefix("t5lite: ").startswith(
+        f"CheckpointReadError: Checkpoint {directory}/{step} is unreadable: "), line
+    if how == "all":
+      assert line.endswith(f"Move the damaged step directories out of {directory} to start "
+                           "from scratch, or use another MODEL_DIR."), line
+    else:
+      assert line.endswith(f"Use another step (steps in {directory}: "
+                           f"{list(range(1, _READS + 2))}), or replace this one from a copy."), line
+  assert lines[-1].startswith("t5lite: ")
 
 
 # ---------------------------------------------------------------------------
