@@ -82,3 +82,14 @@ def test_processes_other_than_0_write_the_compilation_cache_when_told(tmp_path):
     written[mode] = [n for n in os.listdir(cache) if n.startswith("jit_")] if cache.exists() else []
   assert written["jax"] == []
   assert any(n.startswith("jit__lambda-") for n in written["every"]), written
+
+
+def test_platform_aliases_expand_as_jax_expands_them():
+  assert jax_internals.expand_platforms("cpu") == ["cpu"]
+  assert jax_internals.expand_platforms(" gpu ,cpu") == ["cuda", "rocm", "oneapi", "cpu"]
+
+
+def test_cuda_is_passed_over_exactly_when_no_nvidia_gpu_is_visible():
+  assert jax_internals.passed_over("cpu") is None
+  visible = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+  assert (jax_internals.passed_over("cuda") is None) == visible
