@@ -216,3 +216,36 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_st
   assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
   # The checkpoint is untouched, the lock released, nothing half-written.
   assert _files(model_dir) == before
+
+
+# A module whose import is under way when Ctrl-C comes.
+_SLOW_IMPORT = """
+import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.5)
+FINISHED = True
+"""
+_IMPORT_THEN_WAIT = """
+import os, sys, time
+from t5lite import console
+def interrupted():
+  module = sys.modules.get("slow_import")
+  print("import finished:", getattr(module, "FINISHED", False), flush=True)
+  os._exit(130)
+sys.path.insert(0, sys.argv[1])
+with console.ctrl_c_as_one_line(interrupted):
+  import slow_import
+  time.sleep(60)
+"""
+
+
+def test_ctrl_c_during_an_import_takes_effect_when_it_is_done(tmp_path):
+  # An exception raised into a C extension's initialisation can crash the
+  # interpreter (jaxlib's does): the import is finished first.
+  (tmp_path / "slow_import.py").write_text(_SLOW_IMPORT)
+  began = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", _IMPORT_THEN_WAIT, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stdout == "import finished: True\n", out.stderr[-3000:]
+  assert time.monotonic() - began < 30  # not the minute of the sleep after it
