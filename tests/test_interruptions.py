@@ -180,9 +180,9 @@ def _wait_until(child, condition, what, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def trained_to_step_2(tmp_path_factory):
+def trained_to_step_1(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp("trained") / "run"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2"],
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=1"],
                 cwd=str(model_dir.parent))
   assert out.returncode == 0, out.stderr[-3000:]
   return model_dir
@@ -195,17 +195,17 @@ _MOMENTS = {
     "importing TensorFlow, then parsing gin": lambda child, model_dir: _loaded(
         child.proc.pid, "tensorflow"),
     "tracing and compiling": lambda child, model_dir: (model_dir / "train.lock").exists(),
-    "restoring": lambda child, model_dir: child.wait_for_line("Restoring step 2", timeout=300),
+    "restoring": lambda child, model_dir: child.wait_for_line("Restoring step 1", timeout=300),
 }
 
 
 @pytest.mark.parametrize("moment", list(_MOMENTS))
-def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_step_2, moment):
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_step_1, moment):
   model_dir = tmp_path / "run"
-  shutil.copytree(trained_to_step_2, model_dir)
+  shutil.copytree(trained_to_step_1, model_dir)
   before = _files(model_dir)
   # Without the compilation cache the train step really compiles (seconds).
-  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4",
+  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=3",
                  "--nocompilation_cache"], cwd=str(tmp_path))
   _wait_until(child, lambda: _MOMENTS[moment](child, model_dir), moment)
   child.proc.send_signal(signal.SIGINT)
