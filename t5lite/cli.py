@@ -517,28 +517,11 @@ def check_jax_platforms_present(value: str | None) -> None:
 
 
 def _platform_missing_message(value: str, reasons: Sequence[str]) -> str:
-  has = ", ".join(_platforms_present())
+  from t5lite import jax_internals
+  has = ", ".join(jax_internals.platforms_present())
   return (f"JAX_PLATFORMS={value!r} names a platform this machine does not have: "
           f"{'; '.join(reasons)}. This machine has: {has}; set JAX_PLATFORMS="
           f"{has.split(', ')[0]}, or unset it to let JAX choose.")
-
-
-def _platforms_present() -> list[str]:
-  """The platforms JAX starts here when left to choose. It restarts JAX's
-  backends, so it serves a message after a failed start, nothing else."""
-  import logging
-  import jax
-  from jax.extend import backend
-  backend.clear_backends()
-  jax.config.update("jax_platforms", "")
-  # JAX's advice on plugins to install would print around the one line.
-  logger = logging.getLogger("jax._src.xla_bridge")
-  level = logger.level
-  logger.setLevel(logging.ERROR)
-  try:
-    return sorted(backend.backends(), key=lambda p: p == "cpu")  # accelerators first
-  finally:
-    logger.setLevel(level)
 
 
 def one_line(error: BaseException) -> str:

@@ -16,7 +16,9 @@ calls every function, fails naming it. What each is for:
   `JAX_PLATFORMS` value before JAX fails on it deep inside start-up.
 - `expand_platforms`, `passed_over`: what JAX does with `JAX_PLATFORMS` before
   it starts a backend (aliases, skipping CUDA without an NVIDIA GPU), so a
-  platform this machine lacks is named instead of JAX's failed assertion.
+  platform this machine lacks is named instead of JAX's failed assertion;
+  `platforms_present` says what the machine has instead, without JAX's
+  advice on plugins, which its logger (named for a private module) prints.
 - `write_compilation_cache_in_every_process`: JAX writes the persistent
   compilation cache from process 0 only; in a multi-process CPU job, whose
   cache keys differ per process, every process writes its own.
@@ -73,6 +75,25 @@ def passed_over(platform: str) -> str | None:
   if platform == "cuda" and not hardware_utils.has_visible_nvidia_gpu():
     return "no NVIDIA GPU is visible for 'cuda' (no NVIDIA device file in /dev)"
   return None
+
+
+def platforms_present() -> list[str]:
+  """The platforms JAX starts on this machine when left to choose, the
+  accelerators first. It restarts JAX's backends, so it serves a message
+  after a failed start, nothing else."""
+  import logging
+  import jax
+  from jax._src import xla_bridge
+  from jax.extend import backend
+  backend.clear_backends()
+  jax.config.update("jax_platforms", "")
+  logger = logging.getLogger(xla_bridge.__name__)
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    return sorted(backend.backends(), key=lambda p: p == "cpu")
+  finally:
+    logger.setLevel(level)
 
 
 def write_compilation_cache_in_every_process() -> None:

@@ -2,6 +2,7 @@
 was: a JAX upgrade that moves one fails here, naming it, instead of in a
 multi-host job."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -93,3 +94,14 @@ def test_cuda_is_passed_over_exactly_when_no_nvidia_gpu_is_visible():
   assert jax_internals.passed_over("cpu") is None
   visible = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
   assert (jax_internals.passed_over("cuda") is None) == visible
+
+
+def test_platforms_present_after_a_failed_start_include_cpu():
+  script = ("import jax\nfrom t5lite import jax_internals\n"
+            "try:\n  jax.devices()\nexcept RuntimeError:\n  pass\n"
+            "print(jax_internals.platforms_present())\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, JAX_PLATFORMS="tpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  platforms = ast.literal_eval(out.stdout)
+  assert platforms[-1] == "cpu" and "tpu" not in platforms, out.stdout
