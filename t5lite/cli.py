@@ -502,8 +502,9 @@ def check_jax_platforms_present(value: str | None) -> None:
     return
   import jax
   from t5lite import jax_internals
-  skipped = [r for r in map(jax_internals.passed_over, jax_internals.expand_platforms(value)) if r]
-  if len(skipped) == len(jax_internals.expand_platforms(value)):
+  reasons = [jax_internals.passed_over(p) for p in jax_internals.expand_platforms(value)]
+  skipped = [r for r in reasons if r is not None]
+  if len(skipped) == len(reasons):
     raise ValueError(_platform_missing_message(value, skipped))
   try:
     jax.devices()
