@@ -21,7 +21,9 @@ import tempfile
 import tokenize
 from collections.abc import Callable, Iterator, Sequence
 
-from absl import app, flags
+from absl import flags
+
+from t5lite import console
 
 FLAGS = flags.FLAGS
 
@@ -62,7 +64,7 @@ flags.DEFINE_integer("heartbeat_timeout", 100,
                      "Seconds without a heartbeat after which a peer counts as dead; the other "
                      "processes then stop, naming it.")
 
-USER_ERROR_EXIT = 2
+USER_ERROR_EXIT = console.USER_ERROR_EXIT
 # A write failed: full or read-only disk, a vanished directory (README, exit status).
 IO_ERROR_EXIT = 5
 # Whether --verbosity asked for the libraries' own logs, native ones included.
@@ -384,8 +386,16 @@ def _public_callables(owner: object) -> list[str]:
 def write_operative_config(model_dir: str) -> None:
   """Writes the gin config that was actually used to MODEL_DIR/config.gin."""
   import gin
-  with open(os.path.join(model_dir, "config.gin"), "w") as f:
-    f.write(gin.operative_config_str())
+  path = os.path.join(model_dir, "config.gin")
+  # Through a temporary file, so an interrupted write leaves the old one whole.
+  try:
+    with open(path + ".tmp", "w") as f:
+      f.write(gin.operative_config_str())
+    os.replace(path + ".tmp", path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path + ".tmp")
+    raise
 
 
 def _hide_gpus_from_tensorflow() -> None:
@@ -414,6 +424,8 @@ def _native_start_up_logs_hidden() -> Iterator[None]:
     os.dup2(caught.fileno(), 2)
     try:
       yield
+    except KeyboardInterrupt:  # the user's Ctrl-C, not a failed load: nothing to show
+      raise
     except BaseException:
       os.dup2(saved, 2)
       caught.seek(0)
@@ -474,6 +486,50 @@ def check_jax_platforms(value: str | None) -> None:
                      "or unset it to let JAX choose.")
 
 
+# JAX's words when a platform named in JAX_PLATFORMS does not start, and the
+# advice it appends.
+_BACKEND_FAILED = re.compile(r"Unable to initialize backend '([^']+)': (.*?)"
+                             r"(?: \(set JAX_PLATFORMS=.*\))?", re.DOTALL)
+
+
+def check_jax_platforms_present(value: str | None) -> None:
+  """Starts the platforms JAX_PLATFORMS names, which must be on this machine;
+  else JAX fails at its first device query with a traceback (a RuntimeError,
+  or an AssertionError when it skipped every platform named).
+
+  Call it after `jax.distributed.initialize`, which must come before any
+  backend starts.
+
+  Raises:
+    ValueError: a platform this machine does not have, naming the ones it has.
+  """
+  if not value or not value.strip():
+    return
+  import jax
+  from t5lite import jax_internals
+  reasons = [jax_internals.passed_over(p) for p in jax_internals.expand_platforms(value)]
+  skipped = [r for r in reasons if r is not None]
+  if len(skipped) == len(reasons):
+    raise ValueError(_platform_missing_message(value, skipped))
+  try:
+    jax.devices()
+  except RuntimeError as error:
+    match = _BACKEND_FAILED.fullmatch(str(error).strip())
+    if match is None:
+      raise
+    failed = " ".join(match.group(2).split()).rstrip(".")
+    raise ValueError(_platform_missing_message(
+        value, [*skipped, f"JAX could not start '{match.group(1)}': {failed}"])) from None
+
+
+def _platform_missing_message(value: str, reasons: Sequence[str]) -> str:
+  from t5lite import jax_internals
+  has = ", ".join(jax_internals.platforms_present())
+  return (f"JAX_PLATFORMS={value!r} names a platform this machine does not have: "
+          f"{'; '.join(reasons)}. This machine has: {has}; set JAX_PLATFORMS="
+          f"{has.split(', ')[0]}, or unset it to let JAX choose.")
+
+
 def one_line(error: BaseException) -> str:
   """A user error as one line: whitespace squeezed, gin's call-site note dropped."""
   text = " ".join(str(error).split()).split(" In call to configurable ")[0]
@@ -498,6 +554,7 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     distributed.validate(_distributed_config())
     _hide_gpus_from_tensorflow()
     distributed.initialize(_distributed_config())
+    check_jax_platforms_present(os.environ.get("JAX_PLATFORMS"))
     _configure_data_dirs()
     _allow_user_modules_from_cwd()
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
@@ -526,9 +583,13 @@ def _stop(exit_code: int, line: str) -> None:
   """Prints the one-line reason and exits; in a multi-process job the peers
   are told before the exit, so they stop too instead of waiting in a
   collective."""
-  from t5lite import distributed
   _say_last(f"t5lite: {line}")
-  distributed.report_failure(exit_code, line)
+  # Not imported here: a Ctrl-C during the imports must not import JAX to
+  # report itself, and a job is joined only through this module, so without
+  # it (not imported, or interrupted while being imported) no peer waits.
+  report_failure = getattr(sys.modules.get("t5lite.distributed"), "report_failure", None)
+  if report_failure is not None:
+    report_failure(exit_code, line)
   os._exit(exit_code)
 
 
@@ -622,18 +683,30 @@ def collect_garbage_less_during_start_up() -> None:
 
 
 def _main(entry: Callable[[], Callable[..., object]]) -> None:
-  collect_garbage_less_during_start_up()
-  argv = rewrite_gin_args(sys.argv)
+  with console.ctrl_c_as_one_line(_interrupted):
+    collect_garbage_less_during_start_up()
+    argv = rewrite_gin_args(sys.argv)
 
-  def main(unused_argv: Sequence[str]) -> None:
-    _quiet_libraries(argv)
-    if len(unused_argv) > 1:
-      print(f"t5lite: unexpected arguments {unused_argv[1:]}; flags look like "
-            "--gin_file=... or --gin.NAME=VALUE.", file=sys.stderr)
-      sys.exit(USER_ERROR_EXIT)
-    _run(entry)
+    def main(unused_argv: Sequence[str]) -> None:
+      _quiet_libraries(argv)
+      if len(unused_argv) > 1:
+        print(f"t5lite: unexpected arguments {unused_argv[1:]}; flags look like "
+              "--gin_file=... or --gin.NAME=VALUE.", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+      _run(entry)
 
-  app.run(main, argv=argv)
+    console.run(main, argv, "t5lite")
+
+
+def _interrupted() -> None:
+  """A Ctrl-C before the training loop took SIGINT over (imports, gin,
+  tracing, compiling, restoring), after it ended, or while t5lite-eval,
+  -infer or -export work: no checkpoint is being written then, so the
+  process ends at once. The files written before are whole (config.gin and
+  model-info.txt go through a temporary file), and the run lock was
+  released on the way out."""
+  _stop(console.INTERRUPTED_EXIT, "Interrupted: Stopped by Ctrl-C; no checkpoint was being "
+        "written. Rerun the same command to start again.")
 
 
 def train_main() -> None:

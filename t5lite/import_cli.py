@@ -21,11 +21,14 @@ Kept apart from `cli` so that t5lite-train's flags stay its own.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
+
+from t5lite import console
 
 FLAGS = flags.FLAGS
 
@@ -34,7 +37,7 @@ flags.DEFINE_string("source", None, "A T5X checkpoint (checkpoint_<step>/ or the
 flags.DEFINE_string("output", None, "Gin file to write; printed to stdout when not set.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing --output file.")
 
-USER_ERROR_EXIT = 2
+USER_ERROR_EXIT = console.USER_ERROR_EXIT
 
 
 def import_gin() -> str:
@@ -103,7 +106,8 @@ def _main(argv: Sequence[str]) -> None:
 def main() -> None:
   """`t5lite-import`."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  app.run(_main)
+  with console.ctrl_c_as_one_line(functools.partial(console.exit_interrupted, "t5lite-import")):
+    console.run(_main, sys.argv, "t5lite-import")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ calls every function, fails naming it. What each is for:
   joined; the watchdog reads peers' heartbeats and failures through it.
 - `registered_platforms`: the platform names JAX can start, to name an unknown
   `JAX_PLATFORMS` value before JAX fails on it deep inside start-up.
+- `expand_platforms`, `passed_over`: what JAX does with `JAX_PLATFORMS` before
+  it starts a backend (aliases, skipping CUDA without an NVIDIA GPU), so a
+  platform this machine lacks is named instead of JAX's failed assertion;
+  `platforms_present` says what the machine has instead, without JAX's
+  advice on plugins, which its logger (named for a private module) prints.
 - `write_compilation_cache_in_every_process`: JAX writes the persistent
   compilation cache from process 0 only; in a multi-process CPU job, whose
   cache keys differ per process, every process writes its own.
@@ -50,6 +55,45 @@ def registered_platforms() -> set[str]:
   """Names (and aliases) of the platforms JAX has a backend factory for."""
   from jax._src import xla_bridge
   return {*xla_bridge._backend_factories, *xla_bridge._platform_aliases}  # noqa: SLF001
+
+
+def expand_platforms(jax_platforms: str) -> list[str]:
+  """The platforms a `JAX_PLATFORMS` value names, with aliases expanded as
+  JAX expands them (`gpu` is `cuda`, `rocm` and `oneapi`), in order."""
+  from jax._src import xla_bridge
+  names = [n.strip() for n in jax_platforms.split(",") if n.strip()]
+  return [p for name in names for p in xla_bridge.expand_platform_alias(name)]
+
+
+def passed_over(platform: str) -> str | None:
+  """Why JAX skips `platform` without trying to start it, or None.
+
+  JAX skips `cuda` on a machine without an NVIDIA GPU device file; when it
+  skipped every platform named, its first device query fails an assertion.
+  """
+  from jax._src import hardware_utils
+  if platform == "cuda" and not hardware_utils.has_visible_nvidia_gpu():
+    return "no NVIDIA GPU is visible for 'cuda' (no NVIDIA device file in /dev)"
+  return None
+
+
+def platforms_present() -> list[str]:
+  """The platforms JAX starts on this machine when left to choose, the
+  accelerators first. It restarts JAX's backends, so it serves a message
+  after a failed start, nothing else."""
+  import logging
+  import jax
+  from jax._src import xla_bridge
+  from jax.extend import backend
+  backend.clear_backends()
+  jax.config.update("jax_platforms", "")
+  logger = logging.getLogger(xla_bridge.__name__)
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    return sorted(backend.backends(), key=lambda p: p == "cpu")
+  finally:
+    logger.setLevel(level)
 
 
 def write_compilation_cache_in_every_process() -> None:

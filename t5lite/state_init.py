@@ -8,6 +8,7 @@ Face checkpoint), else a fresh initialisation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -303,5 +304,12 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
   lines.append(f"Total number of parameters: {sum(row.size for row in rows)}")
   lines.append(f"Total number of optimizer-state values: {opt_total}")
   lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  # Through a temporary file, so an interrupted write leaves the old one whole.
+  try:
+    with open(path + ".tmp", "w") as f:
+      f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path + ".tmp")
+    raise

@@ -13,6 +13,7 @@ Kept apart from `cli` so that t5lite-train's flags stay its own.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pathlib
@@ -20,7 +21,9 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
+
+from t5lite import console
 
 FLAGS = flags.FLAGS
 
@@ -37,7 +40,7 @@ flags.DEFINE_float("character_coverage", 1.0, "Share of characters the pieces mu
 flags.DEFINE_integer("max_sentences", None, "Train on the first this many non-empty lines; "
                      "all of them by default.")
 
-USER_ERROR_EXIT = 2
+USER_ERROR_EXIT = console.USER_ERROR_EXIT
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -120,7 +123,8 @@ def _main(argv: Sequence[str]) -> None:
 def main() -> None:
   """`t5lite-vocab`."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # seqio imports TensorFlow
-  app.run(_main)
+  with console.ctrl_c_as_one_line(functools.partial(console.exit_interrupted, "t5lite-vocab")):
+    console.run(_main, sys.argv, "t5lite-vocab")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 import hashlib
 import os
+import subprocess
 
-from test_cli import TINY, run_cli
+from test_cli import BIN, TINY, run_cli
 
 import pytest
 
@@ -133,3 +134,33 @@ def test_reason_stays_the_last_line_whatever_else_prints(tmp_path, module, text,
   assert "Unknown mixture or task 'no_such_task'" in _last_line(out), out.stderr[-2000:]
   assert (noise in out.stderr) == printed_before
   assert not (tmp_path / "run").exists()
+
+
+# What JAX_PLATFORMS asks for must be on this machine. The CI machines have
+# no NVIDIA GPU, and the test environment has no JAX CUDA or ROCm plugin, so
+# neither value can start there; t5lite-eval shares the check.
+@pytest.mark.parametrize("script, platforms", [("t5lite-train", "gpu"), ("t5lite-eval", "cuda")])
+def test_platform_this_machine_lacks_is_one_line_naming_what_it_has(tmp_path, script,
+                                                                     platforms):
+  model_dir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS=platforms, TF_CPP_MIN_LOG_LEVEL="3")
+  out = subprocess.run([os.path.join(BIN, script), *TINY, f"--gin.MODEL_DIR='{model_dir}'"],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines() == [_last_line(out)], out.stderr[-3000:]
+  assert _last_line(out).startswith(f"t5lite: ValueError: JAX_PLATFORMS='{platforms}' names a "
+                                    "platform this machine does not have: "), _last_line(out)
+  assert "'cuda'" in _last_line(out)
+  assert "This machine has: cpu; set JAX_PLATFORMS=cpu, or unset it" in _last_line(out)
+  assert not model_dir.exists()
+
+
+@pytest.mark.parametrize("script, line", [
+    ("t5lite-train", "t5lite: Unknown flag --gin_fiel; did you mean --gin_file?"),
+    ("t5lite-import", "t5lite-import: Unknown flag --gin_fiel."),
+    ("t5lite-vocab", "t5lite-vocab: Unknown flag --gin_fiel."),
+])
+def test_unknown_flag_is_one_line_naming_the_closest_known_one(tmp_path, script, line):
+  out = run_cli(["--gin_fiel=x"], cwd=str(tmp_path), script=script, timeout=120)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.strip() == f"{line} --helpshort lists the flags.", out.stderr[-3000:]

@@ -173,3 +173,18 @@ def test_mesh_selector_flag_picks_the_partitioners_mesh_rule(tmp_path, clean_gin
   with pytest.raises(ValueError, match=r"'model': 4\} has 4 devices, but there are 1;"):
     p.validate()
 
+
+
+def test_flag_errors_are_one_line_with_the_closest_known_flag():
+  from absl import flags
+  from t5lite import console
+  known = ["gin_file", "gin_bindings", "gin_search_paths", "helpshort"]
+  line = console.flag_error_line(flags.UnrecognizedFlagError("gin_bindigs", "--gin_bindigs=x"),
+                                 known)
+  assert line == "Unknown flag --gin_bindigs; did you mean --gin_bindings? --helpshort lists " \
+                 "the flags."
+  assert console.flag_error_line(flags.UnrecognizedFlagError("zzz"), known) == \
+      "Unknown flag --zzz. --helpshort lists the flags."
+  bad_value = flags.IllegalFlagValueError("flag --process_count=abc: invalid literal\n  more")
+  assert console.flag_error_line(bad_value, known) == \
+      "flag --process_count=abc: invalid literal more. --helpshort lists the flags."

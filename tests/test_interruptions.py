@@ -1,9 +1,12 @@
 """A job that is preempted or diverges keeps the user's work."""
 
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from test_cli import TINY, Child, run_cli, scalars
 
@@ -132,3 +135,118 @@ def test_half_written_checkpoint_is_never_restored(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   assert "ignoring unfinished checkpoint(s) at step(s) [6]" in out.stdout
   assert "Restoring step 2" in out.stdout and "steps 2 -> 4;" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C before the loop takes SIGINT over: one line, exit 130, files whole
+
+
+_INTERRUPTED_LINE = ("t5lite: Interrupted: Stopped by Ctrl-C; no checkpoint was being written. "
+                     "Rerun the same command to start again.")
+
+
+def _files(root):
+  """Every file under root: its content hash, and the modification time of
+  the checkpoint files (config.gin may be rewritten with the same text)."""
+  out = {}
+  for folder, _, names in os.walk(root):
+    for name in names:
+      path = os.path.join(folder, name)
+      with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+      kept = os.stat(path).st_mtime_ns if f"{os.sep}checkpoints{os.sep}" in path else None
+      out[os.path.relpath(path, root)] = (digest, kept)
+  return out
+
+
+def _loaded(pid, library):
+  with open(f"/proc/{pid}/maps") as f:
+    return library in f.read()
+
+
+def _wait_until(child, condition, what, timeout=300):
+  """Polls `condition` until it holds; fails the test if the child ends or
+  the time runs out first (a loaded machine is slow, never stuck)."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if child.proc.poll() is not None:
+      _, _, err = child.finish(60)
+      pytest.fail(f"exited ({child.proc.returncode}) before {what}; stderr ends:\n{err[-3000:]}")
+    if time.monotonic() > deadline:
+      child.proc.kill()
+      child.finish(60)
+      pytest.fail(f"no sign of {what} within {timeout}s")
+    time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def trained_to_step_1(tmp_path_factory):
+  model_dir = tmp_path_factory.mktemp("trained") / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=1"],
+                cwd=str(model_dir.parent))
+  assert out.returncode == 0, out.stderr[-3000:]
+  return model_dir
+
+
+# Each moment is recognised by a sign the process gives, not by a delay: a
+# library mapped into it, the run lock, a line it prints.
+_MOMENTS = {
+    "importing JAX": lambda child, model_dir: _loaded(child.proc.pid, "jaxlib"),
+    "importing TensorFlow, then parsing gin": lambda child, model_dir: _loaded(
+        child.proc.pid, "tensorflow"),
+    "tracing and compiling": lambda child, model_dir: (model_dir / "train.lock").exists(),
+    "restoring": lambda child, model_dir: child.wait_for_line("Restoring step 1", timeout=300),
+}
+
+
+@pytest.mark.parametrize("moment", list(_MOMENTS))
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_step_1, moment):
+  model_dir = tmp_path / "run"
+  shutil.copytree(trained_to_step_1, model_dir)
+  before = _files(model_dir)
+  # Without the compilation cache the train step really compiles (seconds).
+  compile_for_real = ["--nocompilation_cache"] if moment == "tracing and compiling" else []
+  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=3",
+                 *compile_for_real], cwd=str(tmp_path))
+  _wait_until(child, lambda: _MOMENTS[moment](child, model_dir), moment)
+  child.proc.send_signal(signal.SIGINT)
+  returncode, _, err = child.finish(120)
+  assert returncode == 130, err[-3000:]
+  assert err.strip().splitlines()[-1] == _INTERRUPTED_LINE, err[-3000:]
+  assert [line for line in err.splitlines() if line.startswith("t5lite")] == [_INTERRUPTED_LINE]
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+  # The checkpoint is untouched, the lock released, nothing half-written.
+  assert _files(model_dir) == before
+
+
+# A module whose import is under way when Ctrl-C comes.
+_SLOW_IMPORT = """
+import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.5)
+FINISHED = True
+"""
+_IMPORT_THEN_WAIT = """
+import os, sys, time
+from t5lite import console
+def interrupted():
+  module = sys.modules.get("slow_import")
+  print("import finished:", getattr(module, "FINISHED", False), flush=True)
+  os._exit(130)
+sys.path.insert(0, sys.argv[1])
+with console.ctrl_c_as_one_line(interrupted):
+  import slow_import
+  time.sleep(60)
+"""
+
+
+def test_ctrl_c_during_an_import_takes_effect_when_it_is_done(tmp_path):
+  # An exception raised into a C extension's initialisation can crash the
+  # interpreter (jaxlib's does): the import is finished first.
+  (tmp_path / "slow_import.py").write_text(_SLOW_IMPORT)
+  began = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", _IMPORT_THEN_WAIT, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stdout == "import finished: True\n", out.stderr[-3000:]
+  assert time.monotonic() - began < 30  # not the minute of the sleep after it

@@ -2,6 +2,7 @@
 was: a JAX upgrade that moves one fails here, naming it, instead of in a
 multi-host job."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -115,3 +116,23 @@ def test_failed_compilation_cache_reads_reach_the_handler_with_the_entrys_key(tm
                        capture_output=True, text=True, timeout=300, env=env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["True", "True"]
+def test_platform_aliases_expand_as_jax_expands_them():
+  assert jax_internals.expand_platforms("cpu") == ["cpu"]
+  assert jax_internals.expand_platforms(" gpu ,cpu") == ["cuda", "rocm", "oneapi", "cpu"]
+
+
+def test_cuda_is_passed_over_exactly_when_no_nvidia_gpu_is_visible():
+  assert jax_internals.passed_over("cpu") is None
+  visible = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+  assert (jax_internals.passed_over("cuda") is None) == visible
+
+
+def test_platforms_present_after_a_failed_start_include_cpu():
+  script = ("import jax\nfrom t5lite import jax_internals\n"
+            "try:\n  jax.devices()\nexcept RuntimeError:\n  pass\n"
+            "print(jax_internals.platforms_present())\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, JAX_PLATFORMS="tpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  platforms = ast.literal_eval(out.stdout)
+  assert platforms[-1] == "cpu" and "tpu" not in platforms, out.stdout

@@ -127,3 +127,29 @@ def test_second_trainer_exits_2_naming_the_holder_and_writes_nothing(holder, tmp
   last = out.stderr.strip().splitlines()[-1]
   assert f"is in use by another t5lite-train (host {socket.gethostname()}, pid {pid}," in last
   assert _snapshot(model_dir) == before
+
+
+# A Ctrl-C after the lock file is created, before this process holds it
+# (while it writes its name into it).
+_CTRL_C_WHILE_TAKING = """
+import os, signal, sys
+from t5lite import run_lock
+write = run_lock._write_holder
+def write_after_ctrl_c(fd, holder):
+  os.kill(os.getpid(), signal.SIGINT)
+  write(fd, holder)
+run_lock._write_holder = write_after_ctrl_c
+try:
+  with run_lock.hold(sys.argv[1]):
+    print("ran the phase", flush=True)
+except KeyboardInterrupt:
+  print("KeyboardInterrupt; left behind:", os.path.exists(sys.argv[1]), flush=True)
+"""
+
+
+def test_ctrl_c_while_the_lock_is_taken_leaves_no_lock_behind(tmp_path):
+  out = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_TAKING, str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+  # The interrupt waits for the lock to be held, then releases it (and the
+  # directory it created) on its way out.
+  assert out.stdout == "KeyboardInterrupt; left behind: False\n", out.stderr[-3000:]
