@@ -16,7 +16,7 @@ import pytest
 
 from test_cli import TINY, cli_env, run_cli
 
-from t5lite import checkpoints, cli, dry_run
+from t5lite import checkpoints, cli, dry_run, metrics, write_errors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "checkpoint_fault_worker.py")
@@ -120,6 +120,53 @@ def test_error_exit_does_not_wait_for_a_stuck_thread(tmp_path):
                        timeout=120, cwd=str(tmp_path))
   assert out.returncode == 5
   assert out.stderr.strip().splitlines()[-1] == "t5lite: CheckpointWriteError: reason"
+
+
+def test_results_for_a_loop_orbax_closed_are_not_reported(monkeypatch):
+  import asyncio
+
+  import tensorstore as ts
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", cli._drop_abandoned_loop_reports(reported.append))
+  # What Orbax leaves when one write of a step fails: another write still
+  # awaited on the loop it then closed.
+  promise, pending = ts.Promise.new()
+
+  async def writes():
+    task = asyncio.ensure_future(_await(pending))
+    task._log_destroy_pending = False  # pending for good, as in Orbax's case
+    await asyncio.sleep(0.01)
+    raise OSError("the first write failed")
+
+  loop = asyncio.new_event_loop()
+  with pytest.raises(OSError):
+    loop.run_until_complete(writes())
+  loop.close()
+  promise.set_result(None)  # TensorStore hands the result to the closed loop
+  assert reported == []
+
+  class Finalizer:
+    def __del__(self):
+      raise RuntimeError("Event loop is closed")
+
+  Finalizer()  # any other unraisable error is still reported
+  assert [str(r.exc_value) for r in reported] == ["Event loop is closed"]
+
+
+async def _await(future):
+  await future
+
+
+def test_failed_summary_write_is_a_write_error_naming_dir_and_step(tmp_path):
+  (tmp_path / "train").write_text("a file where the event files go")
+  writer = metrics.SummaryWriter(str(tmp_path / "train" / "task"))
+  with pytest.raises(write_errors.WriteError, match=(
+      f"^Could not write TensorBoard summaries to {tmp_path}/train/task at step 3: .*"
+      "not a directory.* then rerun the same command")):
+    writer.write_scalars(3, {"loss": 1.0})
+  writer.write_scalars(4, {"loss": 1.0})  # said once; the run is stopping
+  writer.close()
+  assert issubclass(write_errors.WriteError, OSError)  # exit status 5
 
 
 def test_write_error_is_exit_status_5_and_input_errors_stay_2():
