@@ -378,10 +378,21 @@ def _public_callables(owner: object) -> list[str]:
 
 
 def write_operative_config(model_dir: str) -> None:
-  """Writes the gin config that was actually used to MODEL_DIR/config.gin."""
+  """Writes the gin config that was actually used to MODEL_DIR/config.gin.
+
+  The file is written beside and then renamed into place, so a write that
+  fails (a full disk) leaves the config.gin of an earlier run as it was.
+  """
   import gin
-  with open(os.path.join(model_dir, "config.gin"), "w") as f:
-    f.write(gin.operative_config_str())
+  path = os.path.join(model_dir, "config.gin")
+  try:
+    with open(f"{path}.tmp", "w") as f:
+      f.write(gin.operative_config_str())
+    os.replace(f"{path}.tmp", path)
+  except OSError:
+    with contextlib.suppress(OSError):
+      os.remove(f"{path}.tmp")
+    raise
 
 
 def _hide_gpus_from_tensorflow() -> None:
@@ -575,9 +586,9 @@ _NOISY_LIBRARIES = (f"{os.sep}seqio{os.sep}", f"{os.sep}orbax{os.sep}")
 # its caller, where t5lite reports them: a failed write once, as the run's
 # last line (exit 5); anything else with its traceback. Shown as well, one
 # failure would be told once per thread (Orbax's array, sharding and
-# metadata writers, its commit and finalize threads, clu's summary writer),
-# each of which logs what it then raises.
-# (file, words of the message format) as Orbax 0.12 and clu 0.0.12 log them;
+# metadata writers, its commit and finalize threads, clu's summary writer,
+# SeqIO's metrics of each task), each of which logs what it then raises.
+# (file, words of the message format) as Orbax 0.12, clu 0.0.12 and SeqIO log them;
 # a record that no longer matches after an upgrade shows, it is never lost.
 _RERAISED_LIBRARY_ERRORS = (
     (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}futures{os.sep}future.py",
@@ -591,6 +602,7 @@ _RERAISED_LIBRARY_ERRORS = (
     (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}metadata{os.sep}checkpoint.py",
      "Failed to update metadata=%s path=%s"),
     (f"{os.sep}clu{os.sep}asynclib.py", "Error in producer thread for %s"),
+    (f"{os.sep}seqio{os.sep}evaluation.py", "Failed to evaluate task %s: %s"),
 )
 
 

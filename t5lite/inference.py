@@ -216,13 +216,24 @@ class InferenceEvaluator:
 
     Returns:
       task name -> numeric metrics (also written to TensorBoard and JSONL).
+
+    Raises:
+      write_errors.WriteError: the JSONL or TensorBoard files could not be written.
     """
     if not self.task_names:
       return {}
-    future, _ = self._evaluator.evaluate(
-        compute_metrics=True, step=step, predict_fn=self._predict(params),
-        score_fn=self._score(params), predict_with_aux_fn=self._predict_with_aux(params))
-    results = {task: _scalar_metrics(m) for task, m in future.result().items()}
+    try:
+      future, _ = self._evaluator.evaluate(
+          compute_metrics=True, step=step, predict_fn=self._predict(params),
+          score_fn=self._score(params), predict_with_aux_fn=self._predict_with_aux(params))
+      computed = future.result()
+    except ValueError as error:
+      # seqio turns any failure of a task's metrics or logging into a
+      # ValueError; a failed write is not bad input (exit 5, not 2).
+      if isinstance(error.__cause__, write_errors.WriteError):
+        raise error.__cause__ from None
+      raise
+    results = {task: _scalar_metrics(m) for task, m in computed.items()}
     for task, scalars in results.items():
       self._writer(task).write_scalars(step, scalars)
       self._writer(task).flush()

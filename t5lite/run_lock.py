@@ -183,6 +183,9 @@ def acquire(model_dir: str, log: Callable[[str], None] = print,
     try:
       _write_holder(fd, me)
     except OSError as error:  # a full or read-only disk: the run could write nothing
+      with contextlib.suppress(OSError):
+        if _same_file(fd, path):
+          os.unlink(path)  # no empty lock file left behind to puzzle the next run
       os.close(fd)
       raise write_errors.write_failed("the run lock", path, None, error) from error
     return _Lock(fd, path, created, heartbeat_seconds)

@@ -96,10 +96,10 @@ def _train_on_full_disk(model_dir, size, args):
                         cwd=os.path.dirname(HERE), preexec_fn=limit)
 
 
-# Full before the first save (the event files or the first checkpoint meet it
-# first), and full once two checkpoints are saved.
+# Full before config.gin is written, before the first save (the event files or
+# the first checkpoint meet it first), and once two checkpoints are saved.
 @pytest.mark.slow
-@pytest.mark.parametrize("size, steps", [("100k", 4), ("1m", 8)])
+@pytest.mark.parametrize("size, steps", [("8k", 4), ("100k", 4), ("1m", 8)])
 def test_full_disk_is_exit_5_with_one_line_whichever_writer_meets_it(tmp_path, size, steps):
   model_dir = tmp_path / "run"
   out = _train_on_full_disk(model_dir, size, [*TINY, f"--gin.TRAIN_STEPS={steps}"])
