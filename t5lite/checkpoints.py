@@ -25,6 +25,7 @@ from absl import logging
 from etils import epath
 
 from t5lite import tree_paths
+from t5lite import write_errors
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
@@ -36,7 +37,7 @@ UNREADABLE_SUBDIR = "checkpoints-unreadable"
 ABANDONED_SUBDIR = "checkpoints-abandoned-after-{step}"
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(write_errors.WriteError):
   """A checkpoint could not be written: full or read-only disk, a vanished
   checkpoints directory, or a file where it should be."""
 
@@ -54,13 +55,7 @@ class CheckpointMismatchError(ValueError):
 # a missing file is an OSError, a metadata file of another layout a KeyError.
 _UNREADABLE = (OSError, ValueError, KeyError)
 
-
-def _reason(error: BaseException) -> str:
-  """The first line of an error, for a one-line message."""
-  lines = str(error).strip().splitlines()
-  text = " ".join(lines[0].split()) if lines else type(error).__name__
-  # TensorStore puts the OS's reason ("No space left on device") last.
-  return text if len(text) <= 400 else f"{text[:240]} ... {text[-150:]}"
+_reason = write_errors.reason
 
 
 # TensorStore ends a message with the whole spec of the array it was reading:
@@ -464,9 +459,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore fail in many types
       what = f"checkpoint step {step}" if step is not None else "checkpoints"
       self._failed = CheckpointWriteError(
-          f"Could not write {what} to {self.directory}: {_reason(e)}. Free disk space or make "
-          "the directory writable (a file in its place must go), then rerun the same command; "
-          "it resumes from the newest complete checkpoint.")
+          f"Could not write {what} to {self.directory}: {_reason(e)}. {write_errors.ADVICE}")
       raise self._failed from e
 
   def latest_step(self) -> int | None:
@@ -500,6 +493,7 @@ class Checkpointer:
     if self._failed is not None:
       raise self._failed
     self.wait_until_finished()  # Orbax waits for the previous save anyway; name its step
+    self._check_not_vanished(step)
     if step in self._manager.all_steps():
       return False
     dtype = self._save_config.dtype if self._save_config else None
@@ -509,6 +503,24 @@ class Checkpointer:
     self._in_flight = step
     return bool(self._writing(step, lambda: self._manager.save(
         step, args=ocp.args.Composite(**items), force=True)))
+
+  def _check_not_vanished(self, step: int) -> None:
+    """Refuses to save into a checkpoints directory deleted since its steps
+    were saved or found: Orbax would quietly make a new, empty one, and the
+    run would end as if nothing had been lost.
+
+    Raises:
+      CheckpointWriteError: the directory is gone, naming the steps it held.
+    """
+    known = sorted(self._manager.all_steps())  # Orbax's record, not a listing
+    if not known or os.path.isdir(self.directory):
+      return
+    self._failed = CheckpointWriteError(
+        f"Could not write checkpoint step {step} to {self.directory}: the directory "
+        f"vanished, and the saved step(s) {known} with it. Nothing more is saved there; "
+        "restore the directory from a copy and rerun the same command, or rerun it to "
+        "train again from the start.")
+    raise self._failed
 
   def restore(self, step: int, abstract_state: Any, dataset_iterator: Any = None
               ) -> tuple[Any, bool]:

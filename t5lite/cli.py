@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 import tokenize
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 from absl import flags
@@ -384,16 +385,21 @@ def _public_callables(owner: object) -> list[str]:
 
 
 def write_operative_config(model_dir: str) -> None:
-  """Writes the gin config that was actually used to MODEL_DIR/config.gin."""
+  """Writes the gin config that was actually used to MODEL_DIR/config.gin.
+
+  The file is written beside and then renamed into place, so a write that
+  fails (a full disk) leaves the config.gin of an earlier run as it was.
+  """
   import gin
   path = os.path.join(model_dir, "config.gin")
-  # Through a temporary file, so an interrupted write leaves the old one whole.
+  # Through a temporary file, so an interrupted or failed write (a full
+  # disk) leaves the old one whole.
   try:
     with open(path + ".tmp", "w") as f:
       f.write(gin.operative_config_str())
     os.replace(path + ".tmp", path)
   except BaseException:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
       os.remove(path + ".tmp")
     raise
 
@@ -572,7 +578,6 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
   except compilation_cache.StaleProgramError as error:  # explained in full, no traceback
     _stop(1, one_line(error))
   except Exception as error:
-    import traceback
     traceback.print_exc()
     distributed.blame_lost_peer(error)
     _stop(1, one_line(error))
@@ -640,19 +645,67 @@ def _train_entry() -> Callable[..., object]:
 # features, generous eval lengths, read-only checkpoint managers); errors
 # from them still show.
 _NOISY_LIBRARIES = (f"{os.sep}seqio{os.sep}", f"{os.sep}orbax{os.sep}")
+# Errors a library logs from a background thread and then raises again to
+# its caller, where t5lite reports them: a failed write once, as the run's
+# last line (exit 5); anything else with its traceback. Shown as well, one
+# failure would be told once per thread (Orbax's array, sharding and
+# metadata writers, its commit and finalize threads, clu's summary writer,
+# SeqIO's metrics of each task), each of which logs what it then raises.
+# (file, words of the message format) as Orbax 0.12, clu 0.0.12 and SeqIO log them;
+# a record that no longer matches after an upgrade shows, it is never lost.
+_RERAISED_LIBRARY_ERRORS = (
+    (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}futures{os.sep}future.py",
+     "_SignalingThread.run() raised an exception"),
+    (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}checkpointers{os.sep}"
+     "async_checkpointer.py", "Handler Commit operations or the Commit callback"),
+    (f"{os.sep}orbax{os.sep}checkpoint{os.sep}checkpoint_manager.py",
+     "[wait_until_finished] Save Finalize thread (%s) failed."),
+    (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}metadata{os.sep}checkpoint.py",
+     "Failed to write metadata=%s path=%s"),
+    (f"{os.sep}orbax{os.sep}checkpoint{os.sep}_src{os.sep}metadata{os.sep}checkpoint.py",
+     "Failed to update metadata=%s path=%s"),
+    (f"{os.sep}clu{os.sep}asynclib.py", "Error in producer thread for %s"),
+    (f"{os.sep}seqio{os.sep}evaluation.py", "Failed to evaluate task %s: %s"),
+)
 
 
 def _drop_library_warnings(record) -> bool:
   import logging as std_logging
+  if any(record.pathname.endswith(path) and words in str(record.msg)
+         for path, words in _RERAISED_LIBRARY_ERRORS):
+    return False
   if not any(part in record.pathname for part in _NOISY_LIBRARIES):
     return True
   if record.levelno < std_logging.ERROR:
     return False
-  # A failed checkpoint write reaches the user once, as the run's last line;
-  # Orbax's reports of it from each background thread keep their first line
-  # and lose the thread's traceback.
+  # Other errors of theirs keep their first line and lose the traceback.
   record.exc_info, record.exc_text, record.stack_info = None, None, None
   return True
+
+
+def _drop_abandoned_loop_reports(hook: Callable[..., None]) -> Callable[..., None]:
+  """`sys.unraisablehook` without TensorStore's reports of results that
+  arrive for an asyncio loop Orbax has closed.
+
+  Orbax writes (and reads) a checkpoint's arrays with TensorStore futures
+  awaited on a fresh event loop per operation. When one write fails, the
+  operation raises at once and Orbax closes that loop while the other
+  writes are still running; as each of them ends, TensorStore hands its
+  result to the closed loop (`loop.call_soon_threadsafe`), which raises
+  `RuntimeError('Event loop is closed')` in TensorStore's thread, and
+  TensorStore reports it as unraisable: one traceback per array, tens to
+  thousands of lines. Nothing awaits those results; the failure that ended
+  the operation is the one reported. Every other unraisable error goes to
+  `hook`.
+  """
+  def unraisable(report) -> None:
+    frames = traceback.extract_tb(report.exc_traceback) if report.exc_traceback else []
+    if (report.object is None and isinstance(report.exc_value, RuntimeError)
+        and str(report.exc_value) == "Event loop is closed"
+        and [f.name for f in frames[-2:]] == ["call_soon_threadsafe", "_check_closed"]):
+      return
+    hook(report)
+  return unraisable
 
 
 def _quiet_libraries(argv: Sequence[str]) -> None:
@@ -665,6 +718,7 @@ def _quiet_libraries(argv: Sequence[str]) -> None:
     from absl import logging
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_handler().addFilter(_drop_library_warnings)
+    sys.unraisablehook = _drop_abandoned_loop_reports(sys.unraisablehook)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

@@ -24,6 +24,7 @@ import seqio
 import tensorflow as tf
 
 from t5lite import metrics as metrics_lib
+from t5lite import write_errors
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
@@ -129,6 +130,19 @@ def _scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
+class _JSONLogger(seqio.JSONLogger):
+  """seqio's JSONL logger, whose failed writes (TensorFlow's file system
+  reports them as `OpError`s) are `WriteError`s naming the file's directory
+  and the step."""
+
+  def __call__(self, task_name: str, step: int | None, *args: Any, **kwargs: Any) -> None:
+    try:
+      super().__call__(task_name, step, *args, **kwargs)
+    except (tf.errors.OpError, OSError) as error:
+      raise write_errors.write_failed(f"the inference results of {task_name}",
+                                      self.output_dir, step, error) from error
+
+
 class InferenceEvaluator:
   """Decodes and scores every example of the eval split of each task.
 
@@ -154,14 +168,15 @@ class InferenceEvaluator:
     self._primary = jax.process_index() == 0
     self._dir = os.path.join(output_dir, INFERENCE_EVAL_DIR)
     if self._primary:
-      os.makedirs(self._dir, exist_ok=True)
+      with write_errors.writing("the inference results", self._dir):
+        os.makedirs(self._dir, exist_ok=True)
     converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
     with datasets.TRACING:  # it traces (and caches) the eval split's pipeline
       self._evaluator = seqio.Evaluator(
           mixture_or_task_name=cfg.mixture_or_task_name, feature_converter=converter,
           eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
           sequence_length=dict(cfg.task_feature_lengths), num_examples=num_examples,
-          shuffle=False, logger_cls=(seqio.JSONLogger,) if self._primary else (),
+          shuffle=False, logger_cls=(_JSONLogger,) if self._primary else (),
           log_dir=self._dir if self._primary else None, async_compute_metrics=False)
     self._runner = BatchRunner(partitioner, cfg.batch_size, params_shardings)
     self._writers: dict[str, metrics_lib.SummaryWriter] = {}
@@ -201,13 +216,24 @@ class InferenceEvaluator:
 
     Returns:
       task name -> numeric metrics (also written to TensorBoard and JSONL).
+
+    Raises:
+      write_errors.WriteError: the JSONL or TensorBoard files could not be written.
     """
     if not self.task_names:
       return {}
-    future, _ = self._evaluator.evaluate(
-        compute_metrics=True, step=step, predict_fn=self._predict(params),
-        score_fn=self._score(params), predict_with_aux_fn=self._predict_with_aux(params))
-    results = {task: _scalar_metrics(m) for task, m in future.result().items()}
+    try:
+      future, _ = self._evaluator.evaluate(
+          compute_metrics=True, step=step, predict_fn=self._predict(params),
+          score_fn=self._score(params), predict_with_aux_fn=self._predict_with_aux(params))
+      computed = future.result()
+    except ValueError as error:
+      # seqio turns any failure of a task's metrics or logging into a
+      # ValueError; a failed write is not bad input (exit 5, not 2).
+      if isinstance(error.__cause__, write_errors.WriteError):
+        raise error.__cause__ from None
+      raise
+    results = {task: _scalar_metrics(m) for task, m in computed.items()}
     for task, scalars in results.items():
       self._writer(task).write_scalars(step, scalars)
       self._writer(task).flush()

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import flax
 import jax
 import numpy as np
+import tensorflow as tf
 from absl import logging
-from clu import metric_writers
+from clu import asynclib, metric_writers
 from clu import metrics as clu_metrics
+
+from t5lite import write_errors
 
 
 @flax.struct.dataclass
@@ -69,8 +72,28 @@ def merge_and_compute(per_batch: Sequence[Mapping[str, clu_metrics.Metric]]
   return {k: float(m.compute()) for k, m in merged.items()}
 
 
+def _failed_write(error: BaseException) -> BaseException | None:
+  """The file error behind what clu's writer raised, or None for anything else.
+
+  clu's asynchronous writer raises an `AsyncError` caused (through another
+  `AsyncError`) by what its thread met; TensorFlow's summary ops, which do
+  nothing but write the event file, report a failed write as an `OpError`.
+  """
+  while error is not None:
+    if isinstance(error, (tf.errors.OpError, OSError)):
+      return error
+    if not isinstance(error, asynclib.AsyncError):
+      return None
+    error = error.__cause__
+  return None
+
+
 class SummaryWriter:
   """Writes scalars as TensorBoard events under `logdir`.
+
+  The events are written on a background thread; a write that fails (a full
+  or read-only disk) is raised by the next call as a `WriteError`, once.
+  After that the writer writes nothing more and closes quietly.
 
   Args:
     logdir: directory of the event files, e.g. MODEL_DIR/train.
@@ -78,17 +101,47 @@ class SummaryWriter:
   """
 
   def __init__(self, logdir: str, is_primary: bool = True):
-    self._writer = metric_writers.create_default_writer(
-        logdir, just_logging=not is_primary, asynchronous=True)
+    self._logdir = logdir
+    self._step: int | None = None  # of the latest call, for the message
+    self._failed = False
+    self._unraised: Exception | None = None
+    try:
+      self._writer = metric_writers.create_default_writer(
+          logdir, just_logging=not is_primary, asynchronous=True)
+    except (tf.errors.OpError, OSError) as error:
+      # The event file cannot be created: the first write says so, with its step.
+      self._unraised = error
+
+  def _call(self, write: Callable[[], None]) -> None:
+    if self._failed:
+      return
+    try:
+      if self._unraised is not None:
+        raise self._unraised
+      write()
+    except (asynclib.AsyncError, tf.errors.OpError, OSError) as error:
+      cause = _failed_write(error)
+      if cause is None:
+        raise
+      self._failed = True
+      raise write_errors.write_failed("TensorBoard summaries", self._logdir, self._step,
+                                      cause) from error
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-    self._writer.write_scalars(step, {k: float(v) for k, v in scalars.items()})
+    """Writes `scalars` at `step`.
+
+    Raises:
+      write_errors.WriteError: this or an earlier write of the events failed.
+    """
+    self._step = step
+    self._call(lambda: self._writer.write_scalars(
+        step, {k: float(v) for k, v in scalars.items()}))
 
   def flush(self) -> None:
-    self._writer.flush()
+    self._call(lambda: self._writer.flush())
 
   def close(self) -> None:
-    self._writer.close()
+    self._call(lambda: self._writer.close())
 
 
 def read_scalar_events(logdir: str, tag: str) -> list[tuple[int, float, float]]:

@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from t5lite import write_errors
+
 LOCK_FILE = "train.lock"
 HEARTBEAT_SECONDS = 30.0
 # Several missed heartbeats, and room for clock skew between hosts.
@@ -155,6 +157,7 @@ def acquire(model_dir: str, log: Callable[[str], None] = print,
 
   Raises:
     ModelDirInUse: a live trainer holds it; the message names it.
+    write_errors.WriteError: the lock file could not be written.
   """
   path = os.path.join(model_dir, LOCK_FILE)
   me = _this_process()
@@ -178,7 +181,14 @@ def acquire(model_dir: str, log: Callable[[str], None] = print,
     stale = _read_holder(fd)
     if stale is not None and (stale.host, stale.pid) != (me.host, me.pid):
       log(f"Taking over the lock of a trainer that is gone ({stale.describe()}) in {path}.")
-    _write_holder(fd, me)
+    try:
+      _write_holder(fd, me)
+    except OSError as error:  # a full or read-only disk: the run could write nothing
+      with contextlib.suppress(OSError):
+        if _same_file(fd, path):
+          os.unlink(path)  # no empty lock file left behind to puzzle the next run
+      os.close(fd)
+      raise write_errors.write_failed("the run lock", path, None, error) from error
     return _Lock(fd, path, created, heartbeat_seconds)
   raise ModelDirInUse(f"Could not take the lock {path}: it keeps changing; is another "
                       "t5lite-train starting on the same MODEL_DIR?")

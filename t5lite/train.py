@@ -33,6 +33,7 @@ from t5lite import report
 from t5lite import run_lock
 from t5lite import state_init
 from t5lite import stops
+from t5lite import write_errors
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
@@ -439,11 +440,17 @@ def checked_setup(run: RunConfig) -> tuple[Any, Periods]:
   return trainer, validate(run, trainer)
 
 
-def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None
-                       ) -> None:
-  os.makedirs(model_dir, exist_ok=True)
-  if jax.process_index() == 0 and summarize_config_fn is not None:
-    summarize_config_fn(model_dir)
+def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None,
+                       step: int) -> None:
+  """MODEL_DIR, with config.gin written by `summarize_config_fn`.
+
+  Raises:
+    write_errors.WriteError: either could not be written.
+  """
+  with write_errors.writing("config.gin", model_dir, step):
+    os.makedirs(model_dir, exist_ok=True)
+    if jax.process_index() == 0 and summarize_config_fn is not None:
+      summarize_config_fn(model_dir)
 
 
 def _build_loop(run: RunConfig, trainer: Any, periods: Periods, data: TrainData,
@@ -482,20 +489,41 @@ def _close(loop: _Loop, failing: BaseException | None = None) -> None:
 
   Raises:
     checkpoints.CheckpointWriteError: the last write failed.
+    write_errors.WriteError: the summaries could not be written.
   """
   try:
-    loop.data.close()
-  finally:
     try:
-      loop.checkpointer.wait_until_finished()
-      loop.checkpointer.close()
-    except ckpt_lib.CheckpointWriteError as e:
-      if failing is None or isinstance(failing, Preempted):
-        raise
-      metrics_lib.log_line(f"Warning: {e}")
+      loop.data.close()
     finally:
-      loop.writer.close()
-      loop.evaluators.close()
+      try:
+        loop.checkpointer.wait_until_finished()
+        loop.checkpointer.close()
+      except ckpt_lib.CheckpointWriteError as e:
+        if failing is None or isinstance(failing, Preempted):
+          raise
+        metrics_lib.log_line(f"Warning: {e}")
+  except BaseException as e:
+    failing = e
+    raise
+  finally:
+    _close_writers(loop, failing)
+
+
+def _close_writers(loop: _Loop, failing: BaseException | None) -> None:
+  """Closes the summary writers. A failed write found here is raised when
+  nothing else is on its way out; with a failed write on its way out it is
+  the same fault, said once; with any other error it is logged."""
+  first = None
+  for close in (loop.writer.close, loop.evaluators.close):
+    try:
+      close()
+    except write_errors.WriteError as e:
+      if failing is None and first is None:
+        first = e
+      elif not isinstance(failing or first, write_errors.WriteError):
+        metrics_lib.log_line(f"Warning: {e}")
+  if first is not None:
+    raise first
 
 
 def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:
@@ -546,10 +574,11 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
     checkpointer.close()
     return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.
-  _prepare_model_dir(run.model_dir, run.summarize_config_fn)
+  _prepare_model_dir(run.model_dir, run.summarize_config_fn, start)
   if jax.process_index() == 0:
-    state_init.write_model_info(os.path.join(run.model_dir, "model-info.txt"), specs,
-                                partitioner)
+    info = os.path.join(run.model_dir, "model-info.txt")
+    with write_errors.writing("model-info.txt", info, start):
+      state_init.write_model_info(info, specs, partitioner)
 
   loop = _build_loop(run, trainer, periods, data, specs, checkpointer, step_fn, start, end)
   metrics_lib.log_line(report.banner(model=model, specs=specs, partitioner=partitioner,

@@ -8,8 +8,11 @@ Run by tests/test_checkpoint_faults.py as
   ignores permission bits, mkdir fails with EROFS as on a read-only mount).
 - vanished: the checkpoints directory is removed while a save is in flight,
   just before Orbax renames the finished step into place.
+- deleted: the checkpoints directory is removed between two saves.
 - full: MODEL_DIR is a tiny tmpfs the test mounted; `full-injected` makes
   mkdir fail with ENOSPC where no tmpfs can be mounted.
+
+Library logs are quieted as the CLI quiets them at its default verbosity.
 """
 
 import errno
@@ -17,10 +20,19 @@ import os
 import shutil
 import sys
 
-import jax.numpy as jnp
-import numpy as np
+from absl import app
 
-from t5lite import checkpoints, cli
+from t5lite import cli
+
+# The C++ start-up lines of TensorFlow and XLA stay off stderr, as in the CLI.
+with cli._native_start_up_logs_hidden():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from t5lite import checkpoints
+
+  jax.devices()
 
 
 def _fail_mkdir(code: int, under: str) -> None:
@@ -46,6 +58,7 @@ def _vanish_before_commit(directory: str) -> None:
 
 
 def main(cause: str, model_dir: str) -> None:
+  cli._quiet_libraries(["t5lite-train"])
   directory = os.path.join(model_dir, checkpoints.CHECKPOINTS_SUBDIR)
   if cause == "file":
     os.makedirs(model_dir, exist_ok=True)
@@ -67,6 +80,9 @@ def main(cause: str, model_dir: str) -> None:
   try:
     for step in (1, 2, 3):
       checkpointer.save(step, state)
+      if cause == "deleted" and step == 1:
+        checkpointer.wait_until_finished()
+        shutil.rmtree(directory)
     checkpointer.wait_until_finished()
     checkpointer.close()
   except OSError as error:  # what cli._run maps to the I/O exit status
@@ -75,4 +91,5 @@ def main(cause: str, model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+  # Under absl's app, as the CLI runs: its log handler is the one quieted.
+  app.run(lambda argv: main(argv[1], argv[2]))

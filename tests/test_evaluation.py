@@ -159,6 +159,28 @@ def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
   assert results["accuracy"] == pytest.approx(100.0 * 12 / 13)
 
 
+def test_failed_jsonl_write_is_a_write_error_naming_dir_and_step(tmp_path):
+  from t5lite import inference, partitioning, write_errors
+  from t5lite.data.datasets import DatasetConfig
+
+  vocab = _register_echo_task("t5lite_test_echo_unwritable", ["a", "b"])
+  cfg = DatasetConfig(mixture_or_task_name="t5lite_test_echo_unwritable",
+                      task_feature_lengths={"inputs": 8, "targets": 8}, split="validation",
+                      batch_size=2, shuffle=False, seed=42, pack=False)
+  evaluator = inference.InferenceEvaluator(
+      model=EchoModel(vocab), cfg=cfg, partitioner=partitioning.Partitioner(num_partitions=1),
+      params_shardings={}, output_dir=str(tmp_path))
+  # A directory where seqio writes the metrics file before renaming it.
+  (tmp_path / "inference_eval" / "t5lite_test_echo_unwritable-metrics.jsonl.tmp").mkdir()
+  try:
+    with pytest.raises(write_errors.WriteError, match=(
+        "^Could not write the inference results of t5lite_test_echo_unwritable to "
+        f"{tmp_path}/inference_eval at step 3: ")):
+      evaluator.evaluate(3, {})
+  finally:
+    evaluator.close()
+
+
 def _read(path):
   with open(path) as f:
     return f.read()
