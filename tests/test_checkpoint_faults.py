@@ -393,7 +393,7 @@ def test_resume_plan(tmp_path):
 
 def test_dry_run_reports_resume_step(tmp_path):
   _steps(tmp_path, (2, 4, 6))
-  start, how = dry_run._start(str(tmp_path), None, resume_step=2)
+  start, how, _ = dry_run._start(str(tmp_path), None, resume_step=2)
   assert start == 2 and "train.resume_step" in how and "[4, 6]" in how
   assert dry_run._start(str(tmp_path), None)[0] == 6
 
