@@ -94,6 +94,20 @@ def _register_echo_task(name, examples, targets=None):
   return vocab
 
 
+def _echo_evaluator(tmp_path, name, examples, targets, length, batch_size):
+  """An InferenceEvaluator of EchoModel on a registered echo task."""
+  from t5lite import inference, partitioning
+  from t5lite.data.datasets import DatasetConfig
+  vocab = _register_echo_task(name, examples, targets)
+  cfg = DatasetConfig(mixture_or_task_name=name,
+                      task_feature_lengths={"inputs": length, "targets": length},
+                      split="validation", batch_size=batch_size, shuffle=False, seed=42,
+                      pack=False)
+  return inference.InferenceEvaluator(
+      model=EchoModel(vocab), cfg=cfg, partitioner=partitioning.Partitioner(num_partitions=1),
+      params_shardings={}, output_dir=str(tmp_path))
+
+
 def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
   import json
 
@@ -136,8 +150,6 @@ EVAL_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/eval.gin"
 
 
 def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
-  from t5lite import inference, partitioning
-  from t5lite.data.datasets import DatasetConfig
 
   # 13 examples in batches of 4: the last batch holds example 12 alone, the
   # only one whose prediction (its input) misses its target. Per example:
@@ -145,13 +157,8 @@ def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
   # rows counted the last batch would weigh 4.
   examples = [f"example {i}" for i in range(13)]
   targets = examples[:12] + ["something else"]
-  vocab = _register_echo_task("t5lite_test_echo_weights", examples, targets)
-  cfg = DatasetConfig(mixture_or_task_name="t5lite_test_echo_weights",
-                      task_feature_lengths={"inputs": 24, "targets": 24}, split="validation",
-                      batch_size=4, shuffle=False, seed=42, pack=False)
-  evaluator = inference.InferenceEvaluator(
-      model=EchoModel(vocab), cfg=cfg, partitioner=partitioning.Partitioner(num_partitions=1),
-      params_shardings={}, output_dir=str(tmp_path))
+  evaluator = _echo_evaluator(tmp_path, "t5lite_test_echo_weights", examples, targets,
+                              length=24, batch_size=4)
   try:
     results = evaluator.evaluate(1, {})["t5lite_test_echo_weights"]
   finally:
@@ -160,16 +167,10 @@ def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
 
 
 def test_failed_jsonl_write_is_a_write_error_naming_dir_and_step(tmp_path):
-  from t5lite import inference, partitioning, write_errors
-  from t5lite.data.datasets import DatasetConfig
+  from t5lite import write_errors
 
-  vocab = _register_echo_task("t5lite_test_echo_unwritable", ["a", "b"])
-  cfg = DatasetConfig(mixture_or_task_name="t5lite_test_echo_unwritable",
-                      task_feature_lengths={"inputs": 8, "targets": 8}, split="validation",
-                      batch_size=2, shuffle=False, seed=42, pack=False)
-  evaluator = inference.InferenceEvaluator(
-      model=EchoModel(vocab), cfg=cfg, partitioner=partitioning.Partitioner(num_partitions=1),
-      params_shardings={}, output_dir=str(tmp_path))
+  evaluator = _echo_evaluator(tmp_path, "t5lite_test_echo_unwritable", ["a", "b"], None,
+                              length=8, batch_size=2)
   # A directory where seqio writes the metrics file before renaming it.
   (tmp_path / "inference_eval" / "t5lite_test_echo_unwritable-metrics.jsonl.tmp").mkdir()
   try:
