@@ -18,6 +18,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
@@ -93,6 +94,31 @@ def _interrupt_outside_imports(signum: int, frame: FrameType | None) -> None:
     signal.setitimer(signal.ITIMER_REAL, _RECHECK_SECONDS)
     return
   raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+  """A Ctrl-C within the block takes effect at its end.
+
+  For steps that must not be cut in two, such as creating the run lock's file
+  and writing this process's name into it. Both ways a Ctrl-C arrives are
+  held: SIGINT itself, and the re-check (SIGALRM) of one that came during an
+  import (`_interrupt_outside_imports`).
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield  # only the main thread runs Python's signal handlers
+    return
+  caught: list[int] = []
+  held = (signal.SIGINT, signal.SIGALRM)
+  previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+              for signum in held}
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    for signum in dict.fromkeys(caught):
+      signal.raise_signal(signum)  # to the handler it was meant for
 
 
 @contextlib.contextmanager

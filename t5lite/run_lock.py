@@ -18,13 +18,12 @@ import errno
 import fcntl
 import json
 import os
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from t5lite import write_errors
+from t5lite import console, write_errors
 
 LOCK_FILE = "train.lock"
 HEARTBEAT_SECONDS = 30.0
@@ -204,31 +203,10 @@ def hold(model_dir: str, enabled: bool = True, log: Callable[[str], None] = prin
     return
   lock = None
   try:
-    with _ctrl_c_held():
+    with console.interrupts_held():
       lock = acquire(model_dir, log=log, heartbeat_seconds=heartbeat_seconds)
     yield
   finally:
     if lock is not None:
-      with _ctrl_c_held():
+      with console.interrupts_held():
         lock.release()
-
-
-@contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
-  """A Ctrl-C (SIGINT) within the block takes effect at its end.
-
-  Taking the lock creates the file before this process holds it, and
-  releasing it removes it in steps; an interrupt in between would leave a
-  lock file behind for no one.
-  """
-  if threading.current_thread() is not threading.main_thread():
-    yield  # only the main thread runs Python's signal handlers
-    return
-  caught = []
-  previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-    if caught:
-      signal.raise_signal(signal.SIGINT)  # to the handler it was meant for
