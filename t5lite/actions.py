@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from t5lite.errors import UserError
+
 TaskMetrics = Mapping[str, Mapping[str, float]]
 
 
@@ -55,8 +57,8 @@ def _lookup(metrics_by_task: TaskMetrics, task: str, metric: str, action: str) -
     return None
   metrics = metrics_by_task[task]
   if metric not in metrics:
-    raise ValueError(f"{action}: task '{task}' has no metric '{metric}'; its metrics are "
-                     f"{sorted(metrics)}.")
+    raise UserError(f"{action}: task '{task}' has no metric '{metric}'; its metrics are "
+                    f"{sorted(metrics)}.")
   return float(metrics[metric])
 
 
@@ -78,11 +80,11 @@ class EarlyStopping(Action):
   def __init__(self, task: str, metric: str, mode: str = "min", patience: int = 3,
                tolerance: float = 0.0):
     if mode not in ("min", "max"):
-      raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}.")
+      raise UserError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}.")
     if patience < 1:
-      raise ValueError(f"EarlyStopping patience must be >= 1, got {patience}.")
+      raise UserError(f"EarlyStopping patience must be >= 1, got {patience}.")
     if tolerance < 0:
-      raise ValueError(f"EarlyStopping tolerance must be >= 0, got {tolerance}.")
+      raise UserError(f"EarlyStopping tolerance must be >= 0, got {tolerance}.")
     self.task, self.metric, self.mode = task, metric, mode
     self.patience, self.tolerance = patience, tolerance
     self.best: float | None = None
@@ -156,12 +158,12 @@ def validate_actions(actions: Mapping[str, Sequence[Action]] | None) -> dict[Act
   for key, value in (actions or {}).items():
     name = key.value if isinstance(key, ActionMode) else key
     if name not in allowed:
-      raise ValueError(f"Unknown actions key {key!r}; allowed keys are {allowed}.")
+      raise UserError(f"Unknown actions key {key!r}; allowed keys are {allowed}.")
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     for item in items:
       if not isinstance(item, Action):
-        raise ValueError(f"actions[{name!r}] must hold actions such as "
-                         f"EarlyStopping or TerminateOnNan, got {item!r}.")
+        raise UserError(f"actions[{name!r}] must hold actions such as "
+                        f"EarlyStopping or TerminateOnNan, got {item!r}.")
     by_mode[ActionMode(name)] = items
   return by_mode
 

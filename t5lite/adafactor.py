@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from t5lite import tree_paths
+from t5lite.errors import UserError
 
 ROW, COLUMN, BATCH, NONE = "row", "column", "batch", "none"
 # T5X's spellings of the four kinds (its `factor_name_to_factordim`).
@@ -85,8 +86,8 @@ def _kind(value: str | None, axis: str) -> str:
     return NONE
   if isinstance(value, str) and value.lower() in _KINDS:
     return _KINDS[value.lower()]
-  raise ValueError(f"Adafactor factor rule for axis '{axis}' is {value!r}; use 'row', "
-                   "'column', 'batch' or 'none'.")
+  raise UserError(f"Adafactor factor rule for axis '{axis}' is {value!r}; use 'row', "
+                  "'column', 'batch' or 'none'.")
 
 
 def check_rules(rules: Mapping[str, str | None]) -> dict[str, str]:
@@ -96,8 +97,8 @@ def check_rules(rules: Mapping[str, str | None]) -> dict[str, str]:
     ValueError: not a mapping, or a kind of another name.
   """
   if not isinstance(rules, Mapping):
-    raise ValueError(f"Adafactor logical_factor_rules must map axis names to 'row', 'column', "
-                     f"'batch' or 'none'; got {rules!r}.")
+    raise UserError(f"Adafactor logical_factor_rules must map axis names to 'row', 'column', "
+                    f"'batch' or 'none'; got {rules!r}.")
   return {axis: _kind(kind, axis) for axis, kind in dict(rules).items()}
 
 
@@ -179,7 +180,7 @@ def factoring(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...] | 
   if rules is None or axes is None:
     plan = _heuristic(shape, axes, min_dim_size_to_factor)
     if plan is None:
-      raise ValueError(
+      raise UserError(
           f"Adafactor cannot factor {name} {shape} by size alone (rank above two): give it "
           "logical_factor_rules (optimizers.standard_logical_factor_rules()) and build the "
           "train state with the parameters' logical axes.")
@@ -191,11 +192,11 @@ def factoring(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...] | 
     elif axis in rules:
       kinds.append(rules[axis])
     else:
-      raise ValueError(f"Adafactor has no factor rule for axis '{axis}' of {name} {axes}: add "
-                       f"it to logical_factor_rules, e.g. {{'{axis}': 'none'}}.")
+      raise UserError(f"Adafactor has no factor rule for axis '{axis}' of {name} {axes}: add "
+                      f"it to logical_factor_rules, e.g. {{'{axis}': 'none'}}.")
   if ROW in kinds and COLUMN in kinds and NONE in kinds:
-    raise ValueError(f"Adafactor factor rules give {name} {axes} rows, columns and an "
-                     f"unfactored dimension ({kinds}); T5X refuses such a parameter.")
+    raise UserError(f"Adafactor factor rules give {name} {axes} rows, columns and an "
+                    f"unfactored dimension ({kinds}); T5X refuses such a parameter.")
   if ROW not in kinds or COLUMN not in kinds:
     kinds = [NONE if kind in (ROW, COLUMN) else kind for kind in kinds]
   batch = tuple(d for d, kind in enumerate(kinds) if kind == BATCH)

@@ -26,6 +26,7 @@ from etils import epath
 
 from t5lite import tree_paths
 from t5lite import write_errors
+from t5lite.errors import UserError
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
@@ -42,11 +43,11 @@ class CheckpointWriteError(write_errors.WriteError):
   checkpoints directory, or a file where it should be."""
 
 
-class CheckpointReadError(ValueError):
+class CheckpointReadError(UserError):
   """A checkpoint step exists but cannot be read (damaged or incomplete files)."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
   """A readable checkpoint whose arrays do not fit this model and optimizer."""
 
 
@@ -227,39 +228,39 @@ def validate_config(config: CheckpointConfig) -> None:
   save = config.save
   if save is not None:
     if save.period <= 0:
-      raise ValueError(f"Checkpoint period {save.period} must be positive.")
+      raise UserError(f"Checkpoint period {save.period} must be positive.")
     if save.keep is not None and save.keep <= 0:
-      raise ValueError(f"Checkpoint keep={save.keep} must be positive or None.")
+      raise UserError(f"Checkpoint keep={save.keep} must be positive or None.")
     if save.keep_every_n_steps is not None and save.keep_every_n_steps <= 0:
-      raise ValueError(f"keep_every_n_steps={save.keep_every_n_steps} must be positive.")
+      raise UserError(f"keep_every_n_steps={save.keep_every_n_steps} must be positive.")
     if any(int(s) <= 0 for s in save.checkpoint_steps):
-      raise ValueError(f"checkpoint_steps {list(save.checkpoint_steps)} must be positive.")
+      raise UserError(f"checkpoint_steps {list(save.checkpoint_steps)} must be positive.")
     if save.dtype is not None and save.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"Checkpoint dtype '{save.dtype}' is not supported; use float32, "
-                       "bfloat16 or float16.")
+      raise UserError(f"Checkpoint dtype '{save.dtype}' is not supported; use float32, "
+                      "bfloat16 or float16.")
   if config.restore is not None:
     _validate_restore(config.restore)
 
 
 def _validate_restore(restore: RestoreCheckpointConfig) -> None:
   if restore.mode not in ("latest", "specific"):
-    raise ValueError(f"Unknown restore mode '{restore.mode}'; use 'latest' or 'specific'.")
+    raise UserError(f"Unknown restore mode '{restore.mode}'; use 'latest' or 'specific'.")
   if not restore.params_only:
     used = [name for name, on in (("assignment_map", bool(restore.assignment_map)),
                                   ("fallback_to_scratch", restore.fallback_to_scratch),
                                   ("strict=False", not restore.strict)) if on]
     if used:
-      raise ValueError(f"Restore option(s) {', '.join(used)} only apply to a params-only "
-                       "restore; set RestoreCheckpointConfig.params_only = True.")
+      raise UserError(f"Restore option(s) {', '.join(used)} only apply to a params-only "
+                      "restore; set RestoreCheckpointConfig.params_only = True.")
   for entry in restore.assignment_map:
     if (not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str)
         or not isinstance(entry[1], (str, type(None)))):
-      raise ValueError(f"assignment_map entry {entry!r} must be a (regex, replacement or None) "
-                       "pair of strings.")
+      raise UserError(f"assignment_map entry {entry!r} must be a (regex, replacement or None) "
+                      "pair of strings.")
     try:
       re.compile(entry[0])
     except re.error as e:
-      raise ValueError(f"assignment_map regex '{entry[0]}' does not compile: {e}.") from None
+      raise UserError(f"assignment_map regex '{entry[0]}' does not compile: {e}.") from None
 
 
 def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only: bool = False
@@ -611,7 +612,7 @@ def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
   if config.mode == "specific":
     root, name = os.path.split(path.rstrip("/"))
     if not name.isdigit() or not os.path.isdir(path):
-      raise ValueError(
+      raise UserError(
           f"Restore path '{config.path}' is not a checkpoint step directory "
           "like '<model_dir>/checkpoints/1000'.")
     return root, int(name)
@@ -619,7 +620,7 @@ def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
     path = os.path.join(path, CHECKPOINTS_SUBDIR)
   step = max(list_steps(path)[1], default=None)
   if step is None:
-    raise ValueError(f"No checkpoint found under restore path '{config.path}'.")
+    raise UserError(f"No checkpoint found under restore path '{config.path}'.")
   return path, step
 
 
@@ -685,7 +686,7 @@ def plan_resume(model_dir: str, resume_step: int | None) -> ResumePlan:
         f"are in MODEL_DIR/{subdir}); resuming from the newest checkpoint. To go back to step "
         f"{resume_step} again, rename that directory first."))
   if isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step not in steps:
-    raise ValueError(
+    raise UserError(
         f"train.resume_step={resume_step!r} is not a checkpoint in {directory}; available "
         f"steps: {steps if steps else 'none'}. Pass one of them, or drop train.resume_step.")
   newer = tuple(s for s in steps if s > resume_step)
@@ -805,7 +806,7 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
       sources[path] = source
   if problems:
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    raise ValueError(
+    raise UserError(
         f"Checkpoint {os.path.dirname(state_dir)} does not fit this model's parameters: "
         + "; ".join(problems[:5]) + more + ". Map names with assignment_map, or set "
         "strict=False (shape mismatches) / fallback_to_scratch=True (missing parameters) "

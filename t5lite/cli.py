@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from absl import flags
 
-from t5lite import console
+from t5lite import console, write_errors
+from t5lite.errors import UserError
 
 FLAGS = flags.FLAGS
 
@@ -140,8 +141,8 @@ def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
     candidate = os.path.join(root, name)
     if os.path.exists(candidate):
       return candidate
-  raise ValueError(f"Gin file '{name}' not found in {list(search_paths)}; "
-                   "check the path or add its directory with --gin_search_paths.")
+  raise UserError(f"Gin file '{name}' not found in {list(search_paths)}; "
+                  "check the path or add its directory with --gin_search_paths.")
 
 
 def select_mesh(selector: str) -> None:
@@ -156,8 +157,9 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   """Parses files then bindings; include statements resolve via the search paths.
 
   Raises:
-    ValueError: a file is missing, or the config names an unknown configurable,
-      parameter or module alias (the message suggests the closest valid name).
+    UserError: a file is missing or not valid gin, or the config names an
+      unknown configurable, parameter or module alias (the message suggests
+      the closest valid name).
   """
   import gin
   for path in search_paths:
@@ -176,17 +178,17 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   except (SyntaxError, tokenize.TokenError) as error:
     # Only an included file can get here: the files and bindings given were
     # checked above.
-    raise ValueError(_syntax_message(error, getattr(error, "filename", None)
+    raise UserError(_syntax_message(error, getattr(error, "filename", None)
                                      or "a gin file included by another")) from None
-  except (ValueError, AttributeError, NameError) as error:
-    hint = _gin_name_hint(str(error))
-    if hint is not None:
-      raise ValueError(hint) from error
-    if isinstance(error, ValueError) or not _is_gin_selector_error(str(error)):
-      raise
+  except ValueError as error:  # gin's word for an unknown name or a value it cannot bind
+    raise UserError(_gin_name_hint(str(error)) or str(error)) from error
+  except (AttributeError, NameError) as error:
     # Gin reports an unresolvable name as AttributeError/NameError; it is
     # still a typo in the user's config, so it takes the user-error path.
-    raise ValueError(str(error)) from error
+    hint = _gin_name_hint(str(error))
+    if hint is None and not _is_gin_selector_error(str(error)):
+      raise
+    raise UserError(hint or str(error)) from error
   finally:
     root.setLevel(level)
 
@@ -198,18 +200,18 @@ def _check_syntax(files: Sequence[str], bindings: Sequence[str]) -> None:
   so its own line numbers point into that header, not at what the user wrote.
 
   Raises:
-    ValueError: the first file or binding that is not valid gin.
+    UserError: the first file or binding that is not valid gin.
   """
   for path in files:
     with open(path) as f:
       error = _syntax_error(f.read())
     if error is not None:
-      raise ValueError(_syntax_message(error, path))
+      raise UserError(_syntax_message(error, path))
   for binding in bindings:
     error = _syntax_error(binding)
     if error is not None:
-      raise ValueError(f"{_as_written(binding)} is not valid gin: {_syntax_text(error)}"
-                       f"{_value_hint(error)}")
+      raise UserError(f"{_as_written(binding)} is not valid gin: {_syntax_text(error)}"
+                      f"{_value_hint(error)}")
 
 
 def _syntax_error(text: str) -> SyntaxError | tokenize.TokenError | None:
@@ -487,9 +489,9 @@ def check_jax_platforms(value: str | None) -> None:
   names = [n.strip() for n in (value or "").split(",") if n.strip()]
   unknown = [n for n in names if n not in known]
   if unknown:
-    raise ValueError(f"JAX_PLATFORMS={value!r} names unknown platform(s) {', '.join(unknown)}; "
-                     f"use a comma-separated list of {', '.join(sorted(known, key=str.lower))}, "
-                     "or unset it to let JAX choose.")
+    raise UserError(f"JAX_PLATFORMS={value!r} names unknown platform(s) {', '.join(unknown)}; "
+                    f"use a comma-separated list of {', '.join(sorted(known, key=str.lower))}, "
+                    "or unset it to let JAX choose.")
 
 
 # JAX's words when a platform named in JAX_PLATFORMS does not start, and the
@@ -516,7 +518,7 @@ def check_jax_platforms_present(value: str | None) -> None:
   reasons = [jax_internals.passed_over(p) for p in jax_internals.expand_platforms(value)]
   skipped = [r for r in reasons if r is not None]
   if len(skipped) == len(reasons):
-    raise ValueError(_platform_missing_message(value, skipped))
+    raise UserError(_platform_missing_message(value, skipped))
   try:
     jax.devices()
   except RuntimeError as error:
@@ -524,7 +526,7 @@ def check_jax_platforms_present(value: str | None) -> None:
     if match is None:
       raise
     failed = " ".join(match.group(2).split()).rstrip(".")
-    raise ValueError(_platform_missing_message(
+    raise UserError(_platform_missing_message(
         value, [*skipped, f"JAX could not start '{match.group(1)}': {failed}"])) from None
 
 
@@ -536,23 +538,16 @@ def _platform_missing_message(value: str, reasons: Sequence[str]) -> str:
           f"{has.split(', ')[0]}, or unset it to let JAX choose.")
 
 
-def one_line(error: BaseException) -> str:
-  """A user error as one line: whitespace squeezed, gin's call-site note dropped."""
-  text = " ".join(str(error).split()).split(" In call to configurable ")[0]
-  name = next(c.__name__ for c in type(error).__mro__ if c.__module__ != "gin.utils")
-  return f"{name}: {text}"
-
-
 def _run(entry: Callable[[], Callable[..., object]]) -> None:
   """Common start-up, then the gin-configured entry point with user errors as one line."""
   from t5lite import compilation_cache, distributed
   try:
     if FLAGS.dry_run and entry is not _train_entry:
-      raise ValueError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
-                       "the flag, or check the training config with t5lite-train --dry_run.")
+      raise UserError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
+                      "the flag, or check the training config with t5lite-train --dry_run.")
     if FLAGS.overwrite and entry is not _export_entry:
-      raise ValueError("--overwrite is a t5lite-export flag (it lets an export replace "
-                       "EXPORT_DIR); this command has no use for it. Drop the flag.")
+      raise UserError("--overwrite is a t5lite-export flag (it lets an export replace "
+                      "EXPORT_DIR); this command has no use for it. Drop the flag.")
     check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
     # A dry run compiles nothing, so it leaves the cache directory alone too.
     compilation_cache.configure(FLAGS.compilation_cache_dir,
@@ -569,18 +564,19 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     run = entry()
     gc.freeze()  # modules and config live until exit: later collections skip them
     run()
-  except (ValueError, TypeError, FileNotFoundError) as error:
-    _stop(USER_ERROR_EXIT, one_line(error))
+  except UserError as error:  # raised on purpose where t5lite checks the input
+    _stop(USER_ERROR_EXIT, console.one_line(error))
   except _training_stopped() as stop:
-    _stop(stop.exit_code, one_line(stop))
-  except OSError as error:  # a failed write or read of the disk, not the input
-    _stop(IO_ERROR_EXIT, one_line(error))
+    _stop(stop.exit_code, console.one_line(stop))
+  except write_errors.WriteError as error:  # a failed write under MODEL_DIR, not the input
+    _stop(IO_ERROR_EXIT, console.one_line(error))
   except compilation_cache.StaleProgramError as error:  # explained in full, no traceback
-    _stop(1, one_line(error))
+    _stop(1, console.one_line(error))
   except Exception as error:
     traceback.print_exc()
     distributed.blame_lost_peer(error)
-    _stop(1, one_line(error))
+    _stop(1, f"Unexpected error, a bug in t5lite or a library (the traceback above shows "
+          f"where): {console.one_line(error)}")
   distributed.finish()
 
 

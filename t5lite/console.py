@@ -24,6 +24,8 @@ from types import FrameType
 
 from absl import app, flags
 
+from t5lite.errors import UserError
+
 USER_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
@@ -41,6 +43,35 @@ def flag_error_line(error: flags.Error, known: Sequence[str]) -> str:
     hint = f"; did you mean --{close}?" if close else "."
     return f"Unknown flag --{error.flagname}{hint} --helpshort lists the flags."
   return f"{' '.join(str(error).split())}. --helpshort lists the flags."
+
+
+def one_line(error: BaseException) -> str:
+  """An error as one line: its class and message, whitespace squeezed, gin's
+  call-site note dropped.
+
+  A plain `UserError` is named `ValueError` (the family says how t5lite
+  treats it, not what went wrong); its subclasses by their own names.
+  """
+  text = " ".join(str(error).split()).split(" In call to configurable ")[0]
+  # Gin re-raises an error from a configurable as a subclass of it with the
+  # same name (from gin.utils in older versions).
+  name = next(c.__name__ for c in type(error).__mro__
+              if c.__module__ != "gin.utils" and c.__name__ != UserError.__name__)
+  return f"{name}: {text}"
+
+
+def exit_on_user_error(program: str, work: Callable[[], str]) -> None:
+  """Prints what `work` returns; a `UserError` it raises is one line and exit 2.
+
+  For the console scripts that join no job (t5lite-vocab, t5lite-import);
+  any other exception keeps its traceback.
+  """
+  try:
+    text = work()
+  except UserError as error:
+    print(f"{program}: {one_line(error)}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+  print(text)
 
 
 def parse_flags(argv: Sequence[str], program: str) -> list[str]:

@@ -44,6 +44,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from t5lite.errors import UserError
+
 Array = jax.Array
 Cache = Any
 TokensToLogits = Callable[[Array, Cache], tuple[Array, Cache]]
@@ -70,7 +72,7 @@ def _check_common(first_tokens: Array, max_decode_length: int) -> None:
   if first_tokens.ndim != 1:
     raise ValueError(f"first_tokens must be int [batch], got shape {first_tokens.shape}.")
   if max_decode_length < 1:
-    raise ValueError(f"max_decode_length must be >= 1, got {max_decode_length}.")
+    raise UserError(f"max_decode_length must be >= 1, got {max_decode_length}.")
 
 
 def _is_eos(tokens: Array, eos_id: int | None) -> Array:
@@ -213,14 +215,14 @@ def temperature_sample(tokens_to_logits: TokensToLogits, initial_cache: Cache,
   """
   _check_common(first_tokens, max_decode_length)
   if temperature < 0:
-    raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}.")
+    raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}.")
   if topk < 0:
-    raise ValueError(f"topk must be >= 0 (0 disables top-k), got {topk}.")
+    raise UserError(f"topk must be >= 0 (0 disables top-k), got {topk}.")
   if not 0.0 <= topp <= 1.0:
-    raise ValueError(f"topp must be in [0, 1] (0 disables top-p), got {topp}.")
+    raise UserError(f"topp must be in [0, 1] (0 disables top-p), got {topp}.")
   num_decodes = 1 if num_decodes is None else num_decodes
   if num_decodes < 1:
-    raise ValueError(f"num_decodes must be >= 1, got {num_decodes}.")
+    raise UserError(f"num_decodes must be >= 1, got {num_decodes}.")
 
   def choose(logits: Array, key: Array) -> Array:
     if temperature == 0:
@@ -256,9 +258,9 @@ def greedy(tokens_to_logits: TokensToLogits, initial_cache: Cache, first_tokens:
     ValueError: num_decodes other than None or 1.
   """
   if num_decodes not in (None, 1):
-    raise ValueError(f"greedy decoding has one decode per example, got num_decodes="
-                     f"{num_decodes}; use decoding.temperature_sample or "
-                     "decoding.beam_search for several.")
+    raise UserError(f"greedy decoding has one decode per example, got num_decodes="
+                    f"{num_decodes}; use decoding.temperature_sample or "
+                    "decoding.beam_search for several.")
   return temperature_sample(tokens_to_logits, initial_cache, first_tokens, rng,
                             max_decode_length=max_decode_length, eos_id=eos_id,
                             num_decodes=1, temperature=0.0)
@@ -365,14 +367,14 @@ def beam_search(tokens_to_logits: TokensToLogits, initial_cache: Cache, first_to
   del rng
   _check_common(first_tokens, max_decode_length)
   if num_beams < 1:
-    raise ValueError(f"num_beams must be >= 1, got {num_beams}.")
+    raise UserError(f"num_beams must be >= 1, got {num_beams}.")
   if alpha < 0:
-    raise ValueError(f"alpha must be >= 0 (0 disables length normalisation), got {alpha}.")
+    raise UserError(f"alpha must be >= 0 (0 disables length normalisation), got {alpha}.")
   num_decodes = num_beams if num_decodes is None else num_decodes
   if not 1 <= num_decodes <= num_beams:
-    raise ValueError(f"beam search returns at most num_beams={num_beams} decodes, got "
-                     f"num_decodes={num_decodes}; raise decoding.beam_search.num_beams "
-                     "or ask for fewer.")
+    raise UserError(f"beam search returns at most num_beams={num_beams} decodes, got "
+                    f"num_decodes={num_decodes}; raise decoding.beam_search.num_beams "
+                    "or ask for fewer.")
   batch, beams, length = first_tokens.shape[0], num_beams, max_decode_length
   # Only beam 0 is live at first; the others are copies that must not be
   # extended too, or the first step would fill the beam with duplicates.

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from t5lite import jax_internals
+from t5lite.errors import UserError
 
 # Exit status of a process stopped because a peer stopped responding or the
 # job could not assemble (a peer's own failure passes on its status instead).
@@ -92,7 +93,7 @@ def validate(config: DistributedConfig) -> None:
   """
   explicit = [config.coordinator_address, config.process_count, config.process_index]
   if any(v is not None for v in explicit) and any(v is None for v in explicit):
-    raise ValueError(
+    raise UserError(
         "--coordinator_address, --process_count and --process_index must be given together "
         f"(got {config.coordinator_address!r}, {config.process_count!r}, "
         f"{config.process_index!r}); or pass only --multiprocess_gpu to detect them from "
@@ -100,17 +101,17 @@ def validate(config: DistributedConfig) -> None:
   address = config.coordinator_address
   match = _HOST_PORT.match(address) if address is not None else None
   if address is not None and (not match or not 0 < int(match.group(2)) < 65536):
-    raise ValueError(f"--coordinator_address={config.coordinator_address!r} must be "
-                     "'host:port', e.g. 'node001:1234', the same on every process.")
+    raise UserError(f"--coordinator_address={config.coordinator_address!r} must be "
+                    "'host:port', e.g. 'node001:1234', the same on every process.")
   if config.process_count is not None:
     if config.process_count < 1:
-      raise ValueError(f"--process_count={config.process_count} must be at least 1.")
+      raise UserError(f"--process_count={config.process_count} must be at least 1.")
     if not 0 <= config.process_index < config.process_count:
-      raise ValueError(f"--process_index={config.process_index} must be in "
-                       f"[0, {config.process_count}) for --process_count={config.process_count}.")
+      raise UserError(f"--process_index={config.process_index} must be in "
+                      f"[0, {config.process_count}) for --process_count={config.process_count}.")
   for name in ("initialization_timeout", "heartbeat_timeout"):
     if getattr(config, name) <= 0:
-      raise ValueError(f"--{name}={getattr(config, name)} must be a positive number of seconds.")
+      raise UserError(f"--{name}={getattr(config, name)} must be a positive number of seconds.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ def _resolve_job(config: DistributedConfig) -> Job:
   address, count, index, local = jax_internals.detect_cluster(
       os.environ.get("JAX_COORDINATOR_ADDRESS"), local, config.initialization_timeout)
   if address is None or count is None or index is None:
-    raise ValueError(
+    raise UserError(
         "--multiprocess_gpu found no cluster environment (SLURM or Open MPI) to take the "
         "coordinator address, process count and process index from; launch with srun or "
         "mpirun, or pass --coordinator_address, --process_count and --process_index.")

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from t5lite.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +44,12 @@ class DivergenceLimits:
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                 or not value > (0 if name == "max_update_ratio" else 1)):
         bound = "above 0" if name == "max_update_ratio" else "above 1"
-        raise ValueError(f"train.{name}={value!r} must be a number {bound}, or None to "
-                         "disable that divergence check.")
+        raise UserError(f"train.{name}={value!r} must be a number {bound}, or None to "
+                        "disable that divergence check.")
     window = self.loss_spike_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-      raise ValueError(f"train.loss_spike_window={window!r} must be a whole number of steps "
-                       ">= 1.")
+      raise UserError(f"train.loss_spike_window={window!r} must be a whole number of steps "
+                      ">= 1.")
 
 
 # A loss spike is judged on the median of this many steps, not on one step:

@@ -30,6 +30,7 @@ from t5lite import metrics as metrics_lib
 from t5lite import state_init
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_eval import TrainEvaluator
 
@@ -44,11 +45,11 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list
     ValueError: no path, an unknown mode, or no checkpoint there.
   """
   if not cfg.path:
-    raise ValueError("No checkpoint to evaluate; set CHECKPOINT_PATH (e.g. "
-                     "--gin.CHECKPOINT_PATH=\"'<model_dir>/checkpoints'\").")
+    raise UserError("No checkpoint to evaluate; set CHECKPOINT_PATH (e.g. "
+                    "--gin.CHECKPOINT_PATH=\"'<model_dir>/checkpoints'\").")
   if cfg.mode not in _MODES:
-    raise ValueError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
-                     f"{list(_MODES)}.")
+    raise UserError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
+                    f"{list(_MODES)}.")
   if interop.checkpoint_format(cfg.path):
     return cfg.path, [interop.checkpoint_step(cfg.path)]
   name = os.path.basename(os.path.normpath(cfg.path))
@@ -59,7 +60,7 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list
     return directory, [step]
   directory, steps = ckpt_lib.list_steps(cfg.path)
   if not steps:
-    raise ValueError(f"No checkpoint found under '{cfg.path}'.")
+    raise UserError(f"No checkpoint found under '{cfg.path}'.")
   return directory, steps
 
 
@@ -134,13 +135,13 @@ def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner
   """
   partitioner.validate()
   if dataset_cfg.pack:
-    raise ValueError("Inference evaluation decodes examples one by one; set "
-                     "infer_eval/DatasetConfig.pack = False.")
+    raise UserError("Inference evaluation decodes examples one by one; set "
+                    "infer_eval/DatasetConfig.pack = False.")
   directory, steps = _steps_to_evaluate(restore_checkpoint_cfg)
   done = _read_evaluated(output_dir) if restore_checkpoint_cfg.mode == "all" else set()
   todo = [s for s in steps if s not in done]
   if train_eval_dataset_cfg is not None and trainer_cls is None:
-    raise ValueError("Teacher-forced evaluation needs trainer_cls (e.g. @trainer.Trainer).")
+    raise UserError("Teacher-forced evaluation needs trainer_cls (e.g. @trainer.Trainer).")
   datasets.validate_dataset_config(dataset_cfg, num_shards=partitioner.get_data_layout(
       dataset_cfg.batch_size).num_shards)
   params_shardings, restore = _params_restorer(model, partitioner,
@@ -186,7 +187,7 @@ def _input_texts(path: str) -> list[str]:
       that is not an object with a string "inputs" (named by line number).
   """
   if not os.path.isfile(path):
-    raise ValueError(f"Input file '{path}' does not exist.")
+    raise UserError(f"Input file '{path}' does not exist.")
   with open(path, "rb") as f:
     lines = f.read().split(b"\n")
   if lines[-1] == b"":
@@ -203,8 +204,8 @@ def _decode_line(path: str, number: int, line: bytes) -> str:
   try:
     return line.decode("utf-8").removesuffix("\r")
   except UnicodeDecodeError as error:
-    raise ValueError(f"{path}:{number} is not valid UTF-8 (byte {error.start + 1} of the line is "
-                     f"{line[error.start:error.start + 1]!r}); save the file as UTF-8.") from None
+    raise UserError(f"{path}:{number} is not valid UTF-8 (byte {error.start + 1} of the line is "
+                    f"{line[error.start:error.start + 1]!r}); save the file as UTF-8.") from None
 
 
 def _jsonl_inputs(path: str, number: int, line: str) -> str:
@@ -213,10 +214,10 @@ def _jsonl_inputs(path: str, number: int, line: str) -> str:
   try:
     inputs = json.loads(line)["inputs"]
   except (json.JSONDecodeError, KeyError, TypeError) as error:
-    raise ValueError(f"{path}:{number} is not a JSON object with an \"inputs\" field "
-                     f"({error}).") from None
+    raise UserError(f"{path}:{number} is not a JSON object with an \"inputs\" field "
+                    f"({error}).") from None
   if not isinstance(inputs, str):
-    raise ValueError(f"{path}:{number}: \"inputs\" must be a string, got {inputs!r}.")
+    raise UserError(f"{path}:{number}: \"inputs\" must be a string, got {inputs!r}.")
   return inputs
 
 
@@ -228,7 +229,7 @@ def _task_examples(name: str, split: str, lengths: Mapping[str, int], module: st
   out = []
   for task in tasks:
     if split not in task.splits:
-      raise ValueError(f"Task '{task.name}' has no split '{split}'; it has {list(task.splits)}.")
+      raise UserError(f"Task '{task.name}' has no split '{split}'; it has {list(task.splits)}.")
     ds = task.get_dataset(sequence_length=dict(lengths), split=split, shuffle=False,
                           num_epochs=1)
     out.append((task.name, ds.take(num_examples) if num_examples else ds))
@@ -294,9 +295,9 @@ def infer(*, model: Any, partitioner: Partitioner,
       or split, or a missing checkpoint, before anything is written.
   """
   if (mixture_or_task_name is None) == (input_file is None):
-    raise ValueError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
-                     f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
-                     f"{input_file!r}.")
+    raise UserError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
+                    f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
+                    f"{input_file!r}.")
   partitioner.validate()
   partitioner.get_data_layout(batch_size)
   if input_file is not None:

@@ -23,6 +23,7 @@ from t5lite import compilation_cache
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.threads import Background
 
@@ -148,8 +149,8 @@ class TrainData:
   def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
                prefetch_batches: int = 2):
     if prefetch_batches < 0:
-      raise ValueError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
-                       f"{prefetch_batches}.")
+      raise UserError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "
+                      f"{prefetch_batches}.")
     layout = partitioner.get_data_layout(cfg.batch_size)
     self.per_host = cfg.shard_by_host and layout.num_shards > 1
     shard = (layout.shard_id, layout.num_shards) if self.per_host else (0, 1)
@@ -223,7 +224,7 @@ class TrainData:
     if found != declared:
       describe = lambda f: ", ".join(  # noqa: E731
           f"{k} {d.name}{list(s)}" for k, (s, d) in sorted(f.items()))
-      raise ValueError(
+      raise UserError(
           f"the training pipeline yields features [{describe(found)}] but the model "
           f"declares [{describe(declared)}] for these feature lengths; make the task's "
           "output features and the model's feature converter agree.")

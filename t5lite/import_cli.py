@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from t5lite import console
+from t5lite.errors import UserError
 
 FLAGS = flags.FLAGS
 
@@ -55,12 +56,12 @@ def import_gin() -> str:
   from t5lite.interop import gin_file
   from t5lite.interop import t5x_recipe
   if not FLAGS.source:
-    raise ValueError("--source is required: a T5X checkpoint or a Hugging Face folder.")
+    raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
   source = os.path.abspath(FLAGS.source)
   if not os.path.exists(source):
-    raise ValueError(f"--source {FLAGS.source} does not exist.")
+    raise UserError(f"--source {FLAGS.source} does not exist.")
   if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
-    raise ValueError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
+    raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
   description, network, fields, vocabulary = interop.describe(source)
   recipe = (t5x_recipe.for_checkpoint(source, network)
             if interop.checkpoint_format(source) == interop.T5X else None)
@@ -94,13 +95,7 @@ def _main(argv: Sequence[str]) -> None:
     print(f"t5lite-import: unexpected arguments {list(argv[1:])}; flags look like "
           "--source=PATH.", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
-  try:
-    text = import_gin()
-  except (ValueError, FileNotFoundError) as error:
-    print(f"t5lite-import: {type(error).__name__}: {' '.join(str(error).split())}",
-          file=sys.stderr)
-    sys.exit(USER_ERROR_EXIT)
-  print(text)
+  console.exit_on_user_error("t5lite-import", import_gin)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ import optax
 
 from t5lite import adafactor as adafactor_lib
 from t5lite import tree_paths
+from t5lite.errors import UserError
 
 Schedule = optax.Schedule
 PathScales = Union[Mapping[str, float], Sequence[tuple[str, float]]]
@@ -175,15 +176,15 @@ def create_learning_rate_scheduler(factors: str = "constant * linear_warmup * rs
   names = [name.strip() for name in factors.split("*")]
   unknown = [name for name in names if name not in _T5X_FACTORS]
   if unknown:
-    raise ValueError(f"create_learning_rate_scheduler factor(s) {unknown} in '{factors}' are "
-                     f"unknown; choose from {', '.join(_T5X_FACTORS)}.")
+    raise UserError(f"create_learning_rate_scheduler factor(s) {unknown} in '{factors}' are "
+                    f"unknown; choose from {', '.join(_T5X_FACTORS)}.")
   needs = {"linear_warmup": warmup_steps, "linear_decay": warmup_steps,
            "decay_every": steps_per_decay, "cosine_decay": steps_per_cycle}
   for name in names:
     if name in needs and needs[name] <= 0:
-      raise ValueError(f"create_learning_rate_scheduler factor '{name}' needs a positive "
-                       f"step count; got warmup_steps={warmup_steps}, steps_per_decay="
-                       f"{steps_per_decay}, steps_per_cycle={steps_per_cycle}.")
+      raise UserError(f"create_learning_rate_scheduler factor '{name}' needs a positive "
+                      f"step count; got warmup_steps={warmup_steps}, steps_per_decay="
+                      f"{steps_per_decay}, steps_per_cycle={steps_per_cycle}.")
 
   def schedule(step):
     # The same operations as T5X, on an integer step, so the float32 values
@@ -216,19 +217,19 @@ def _resolve_warmup(warmup_steps: int | None, warmup_fraction: float | None,
                     decay_steps: int | None) -> tuple[int, int]:
   """(warmup_steps, decay_steps) of `warmup_cosine`, checked."""
   if decay_steps is None:
-    raise ValueError("warmup_cosine needs decay_steps, the step the cosine ends at "
-                     "(usually %TRAIN_STEPS).")
+    raise UserError("warmup_cosine needs decay_steps, the step the cosine ends at "
+                    "(usually %TRAIN_STEPS).")
   if (warmup_steps is None) == (warmup_fraction is None):
-    raise ValueError(
+    raise UserError(
         f"warmup_cosine got warmup_steps={warmup_steps} and warmup_fraction={warmup_fraction}; "
         "set exactly one of them (bind the other to None).")
   if warmup_fraction is not None:
     if not 0.0 <= warmup_fraction < 1.0:
-      raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1).")
+      raise UserError(f"warmup_fraction={warmup_fraction} must be in [0, 1).")
     warmup_steps = int(warmup_fraction * decay_steps)
   if warmup_steps < 0 or decay_steps <= warmup_steps:
-    raise ValueError(f"decay_steps={decay_steps} must exceed warmup_steps={warmup_steps} "
-                     "(and warmup_steps must not be negative).")
+    raise UserError(f"decay_steps={decay_steps} must exceed warmup_steps={warmup_steps} "
+                    "(and warmup_steps must not be negative).")
   return warmup_steps, decay_steps
 
 
@@ -257,7 +258,7 @@ def warmup_cosine(peak_value: float, warmup_steps: int | None = None,
   """
   warmup_steps, decay_steps = _resolve_warmup(warmup_steps, warmup_fraction, decay_steps)
   if alpha < 0:
-    raise ValueError(f"alpha={alpha} (final rate as a fraction of the peak) must be >= 0.")
+    raise UserError(f"alpha={alpha} (final rate as a fraction of the peak) must be >= 0.")
   return optax.warmup_cosine_decay_schedule(
       init_value=begin_value, peak_value=peak_value, warmup_steps=warmup_steps,
       decay_steps=decay_steps, end_value=alpha * peak_value)
@@ -288,8 +289,8 @@ def linear_decay(init_value: float, end_value: float, decay_steps: int,
     ValueError: decay_steps not positive or begin_step negative.
   """
   if decay_steps <= 0 or begin_step < 0:
-    raise ValueError(f"linear_decay needs decay_steps > 0 and begin_step >= 0, got "
-                     f"decay_steps={decay_steps}, begin_step={begin_step}.")
+    raise UserError(f"linear_decay needs decay_steps > 0 and begin_step >= 0, got "
+                    f"decay_steps={decay_steps}, begin_step={begin_step}.")
   return optax.linear_schedule(init_value, end_value, decay_steps, transition_begin=begin_step)
 
 
@@ -311,10 +312,10 @@ def multiply_schedules(schedules: Sequence[Schedule | float]) -> Schedule:
   """
   factors = list(schedules)
   if not factors:
-    raise ValueError("multiply_schedules needs at least one schedule or number.")
+    raise UserError("multiply_schedules needs at least one schedule or number.")
   for factor in factors:
     if not callable(factor) and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
-      raise ValueError(f"multiply_schedules factor {factor!r} must be a schedule or a number.")
+      raise UserError(f"multiply_schedules factor {factor!r} must be a schedule or a number.")
 
   def schedule(step):
     value = jnp.ones((), jnp.float32)
@@ -341,17 +342,17 @@ def _compile_path_rules(rules: PathScales | None, argument: str) -> tuple[_PathR
   compiled = []
   for entry in entries:
     if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
-      raise ValueError(f"{argument} entry {entry!r} must be a (regex, scale) pair, e.g. "
-                       "('.*/mlp/.*', 0.5).")
+      raise UserError(f"{argument} entry {entry!r} must be a (regex, scale) pair, e.g. "
+                      "('.*/mlp/.*', 0.5).")
     regex, scale = entry
     try:
       pattern = re.compile(regex)
     except re.error as e:
-      raise ValueError(f"{argument} regex '{regex}' does not compile: {e}.") from None
+      raise UserError(f"{argument} regex '{regex}' does not compile: {e}.") from None
     if (isinstance(scale, bool) or not isinstance(scale, (int, float))
         or not math.isfinite(scale) or scale < 0):
-      raise ValueError(f"{argument} scale for '{regex}' must be a finite number >= 0, "
-                       f"got {scale!r}.")
+      raise UserError(f"{argument} scale for '{regex}' must be a finite number >= 0, "
+                      f"got {scale!r}.")
     compiled.append(_PathRule(pattern, float(scale)))
   return tuple(compiled)
 
@@ -373,7 +374,7 @@ def _check_rules_match(tree: Any, rules: tuple[_PathRule, ...], argument: str) -
   for rule in rules:
     if not any(rule.pattern.fullmatch(p) for p in paths):
       examples = ", ".join(f"'{p}'" for p in paths[:3])
-      raise ValueError(
+      raise UserError(
           f"{argument} regex '{rule.pattern.pattern}' matches no parameter; it must match a "
           f"whole '/'-joined path such as {examples}.")
 
@@ -556,15 +557,15 @@ def _inject_learning_rate(factory, learning_rate, **kwargs) -> optax.GradientTra
 
 def _check_decay(value: float | None, name: str) -> None:
   if value is not None and not 0.0 <= value < 1.0:
-    raise ValueError(f"{name}={value} must be in [0, 1) (or None where allowed).")
+    raise UserError(f"{name}={value} must be in [0, 1) (or None where allowed).")
 
 
 def _check_positive(value: float | None, name: str, allow_none: bool = False) -> None:
   if value is None and allow_none:
     return
   if value is None or not value > 0:
-    raise ValueError(f"{name}={value} must be a positive number"
-                     + (" (or None to disable)." if allow_none else "."))
+    raise UserError(f"{name}={value} must be a positive number"
+                    + (" (or None to disable)." if allow_none else "."))
 
 
 def adafactor(learning_rate: Schedule | float, *,
@@ -630,9 +631,9 @@ def adafactor(learning_rate: Schedule | float, *,
       beta1 outside [0, 1), a non-positive threshold, a malformed rule.
   """
   if decay_rate <= 0 or epsilon1 < 0 or epsilon2 < 0 or step_offset < 0:
-    raise ValueError(f"Adafactor needs decay_rate > 0 and epsilon1, epsilon2, step_offset >= 0; "
-                     f"got decay_rate={decay_rate}, epsilon1={epsilon1}, epsilon2={epsilon2}, "
-                     f"step_offset={step_offset}.")
+    raise UserError(f"Adafactor needs decay_rate > 0 and epsilon1, epsilon2, step_offset >= 0; "
+                    f"got decay_rate={decay_rate}, epsilon1={epsilon1}, epsilon2={epsilon2}, "
+                    f"step_offset={step_offset}.")
   _check_decay(beta1, "beta1")
   _check_positive(clipping_threshold, "clipping_threshold", allow_none=True)
   _check_positive(global_norm_clip_threshold, "global_norm_clip_threshold", allow_none=True)
@@ -668,20 +669,20 @@ def _parameter_scale_rule(value: bool | Sequence[tuple[str, bool]]) -> Any:
   for pair in pairs:
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
             and isinstance(pair[1], bool)):
-      raise ValueError(f"multiply_by_parameter_scale rule {pair!r} must be a (regex, bool) "
-                       "pair, e.g. ('.*/relpos_bias/.*', False).")
+      raise UserError(f"multiply_by_parameter_scale rule {pair!r} must be a (regex, bool) "
+                      "pair, e.g. ('.*/relpos_bias/.*', False).")
     try:
       compiled.append((re.compile(pair[0]), pair[1]))
     except re.error as e:
-      raise ValueError(f"multiply_by_parameter_scale regex '{pair[0]}' does not compile: "
-                       f"{e}.") from None
+      raise UserError(f"multiply_by_parameter_scale regex '{pair[0]}' does not compile: "
+                      f"{e}.") from None
 
   def rule(name: str) -> bool:
     for pattern, flag in compiled:
       if pattern.search(name):
         return flag
-    raise ValueError(f"multiply_by_parameter_scale has no rule for parameter {name}: add "
-                     "a last ('.*', True) pair.")
+    raise UserError(f"multiply_by_parameter_scale has no rule for parameter {name}: add "
+                    "a last ('.*', True) pair.")
   return rule
 
 
@@ -724,7 +725,7 @@ def adamw(learning_rate: Schedule | float,
   _check_decay(b1, "b1")
   _check_decay(b2, "b2")
   if eps < 0 or weight_decay < 0:
-    raise ValueError(f"eps={eps} and weight_decay={weight_decay} must be >= 0.")
+    raise UserError(f"eps={eps} and weight_decay={weight_decay} must be >= 0.")
   _check_positive(clip_norm, "clip_norm", allow_none=True)
   rules = _compile_path_rules(weight_decay_scales, "weight_decay_scales")
   inner = _inject_learning_rate(_adamw_with_rate, learning_rate, b1=b1, b2=b2, eps=eps,
@@ -798,8 +799,8 @@ def adastar(learning_rate: Schedule | float, *,
                       ("update_ema_decay", update_ema_decay)):
     _check_decay(value, name)
   if eps < 0 or eps_square < 0 or weight_decay < 0:
-    raise ValueError(f"eps={eps}, eps_square={eps_square} and weight_decay={weight_decay} "
-                     "must be >= 0.")
+    raise UserError(f"eps={eps}, eps_square={eps_square} and weight_decay={weight_decay} "
+                    "must be >= 0.")
   _check_positive(update_clipping_threshold, "update_clipping_threshold", allow_none=True)
   _check_positive(min_dim_size_to_factor, "min_dim_size_to_factor")
   return _inject_learning_rate(
@@ -909,7 +910,7 @@ def scale_updates_by_path(optimizer: Learner, scales: PathScales) -> Learner:
   """
   rules = _compile_path_rules(scales, "scale_updates_by_path scales")
   if not rules:
-    raise ValueError("scale_updates_by_path needs at least one (regex, scale) rule.")
+    raise UserError("scale_updates_by_path needs at least one (regex, scale) rule.")
   return _wrap(optimizer, lambda inner: optax.chain(inner, _scale_by_path(rules)))
 
 
@@ -958,7 +959,7 @@ def adafactor_state(opt_state: Any) -> adafactor_lib.AdafactorState | None:
   is_state = lambda node: isinstance(node, adafactor_lib.AdafactorState)  # noqa: E731
   found = [n for n in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(n)]
   if len(found) > 1:
-    raise ValueError("The optimizer holds more than one Adafactor; cannot place one state.")
+    raise UserError("The optimizer holds more than one Adafactor; cannot place one state.")
   return found[0] if found else None
 
 

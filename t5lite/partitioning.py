@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from t5lite import axis_names as ax
 from t5lite import compilation_cache
 from t5lite import tree_paths
+from t5lite.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
 # The batch dimension is split over every mesh axis that does not split
@@ -81,7 +82,7 @@ def _standard_rules(activation_partitioning_dims: int, parameter_partitioning_di
   for name, dims in (("activation_partitioning_dims", activation_partitioning_dims),
                      ("parameter_partitioning_dims", parameter_partitioning_dims)):
     if dims not in (1, 2):
-      raise ValueError(f"{name}={dims} is not supported; use 1 or 2.")
+      raise UserError(f"{name}={dims} is not supported; use 1 or 2.")
   rules: list[tuple[str, Any]] = [
       # Experts claim the `expert` axis first; in an array that has both, the
       # batch then falls back to (data, fsdp), so tokens move to their
@@ -137,7 +138,7 @@ def select_mesh_shape(mesh_rules: MeshRules, selector: str) -> dict[str, int]:
   for pattern, shape in mesh_rules:
     if re.search(pattern, selector):
       return dict(shape)
-  raise ValueError(
+  raise UserError(
       f"No mesh rule matches '{selector}'; patterns are {[p for p, _ in mesh_rules]}. Add a "
       "rule (a catch-all '.*' last) or pass --mesh_selector to pick one.")
 
@@ -162,22 +163,22 @@ def _resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> tupl
   """Turns {'data': -1, 'model': 2} into sizes for every axis in MESH_AXES."""
   unknown = sorted(set(mesh_shape) - set(MESH_AXES))
   if unknown:
-    raise ValueError(f"Unknown mesh axes {unknown}; allowed axes are {list(MESH_AXES)}.")
+    raise UserError(f"Unknown mesh axes {unknown}; allowed axes are {list(MESH_AXES)}.")
   sizes = [int(mesh_shape.get(name, 1)) for name in MESH_AXES]
   free = [i for i, s in enumerate(sizes) if s == -1]
   if len(free) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(
+    raise UserError(
         f"Invalid mesh shape {dict(mesh_shape)}: sizes must be positive, with at "
         "most one axis set to -1 (all remaining devices).")
   known = math.prod(s for s in sizes if s != -1)
   if free:
     if num_devices % known:
-      raise ValueError(
+      raise UserError(
           f"Mesh shape {dict(mesh_shape)} needs a multiple of {known} devices, "
           f"but there are {num_devices}.")
     sizes[free[0]] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise ValueError(
+    raise UserError(
         f"Mesh shape {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices, "
         f"but there are {num_devices}; make the product of the axis sizes equal "
         "the device count or set one axis to -1.")
@@ -207,7 +208,7 @@ def create_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | N
   model_size = sizes[MESH_AXES.index("model")]
   local = len(devices) // max(1, len({d.process_index for d in devices}))
   if local % model_size:
-    raise ValueError(
+    raise UserError(
         f"Model-parallel size {model_size} must divide the {local} devices of a "
         "host so that model-parallel groups never cross hosts.")
   grid = np.asarray(devices, dtype=object).reshape(sizes)
@@ -259,7 +260,7 @@ class Partitioner:
     else:
       return {"data": -1, "model": int(self._num_partitions or 1)}
     if self._num_partitions not in (None, shape.get("model", 1)):
-      raise ValueError(
+      raise UserError(
           f"num_partitions={self._num_partitions} contradicts the mesh shape {shape} "
           f"(model={shape.get('model', 1)}); set NUM_MODEL_PARTITIONS to match or drop it.")
     return shape
@@ -310,7 +311,7 @@ class Partitioner:
         names = (axes,) if isinstance(axes, str) else tuple(axes or ())
         parts = math.prod(self.mesh.shape[n] for n in names)
         if size % parts:
-          raise ValueError(
+          raise UserError(
               f"{tree_paths.path_name(path)} has shape {tuple(leaf.shape)} with logical axes {tuple(logical)}, but "
               f"its dimension of size {size} is split over mesh axes {names} of total size "
               f"{parts}; choose sizes it divides (e.g. NUM_MODEL_PARTITIONS or the model "
@@ -355,7 +356,7 @@ class Partitioner:
     """
     divisor = self.batch_size_divisor()
     if batch_size <= 0 or batch_size % divisor:
-      raise ValueError(
+      raise UserError(
           f"Batch size {batch_size} must be a positive multiple of the "
           f"data-parallel size {divisor} (mesh {dict(self.mesh.shape)}); change "
           "BATCH_SIZE or the mesh.")

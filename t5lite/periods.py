@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from t5lite.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,11 @@ def compute_periods(*, total_steps: int, eval_period: int | None, checkpoint_per
   for name, value in list(named.items()) + [("stats_period", stats_period or 0)]:
     check_step_count(name, value)
     if value < 0:
-      raise ValueError(f"{name}={value} must be positive (or 0 to disable).")
+      raise UserError(f"{name}={value} must be positive (or 0 to disable).")
   active = sorted((v, k) for k, v in named.items() if v > 0)
   for (small, small_name), (big, big_name) in zip(active, active[1:]):
     if big % small:
-      raise ValueError(
+      raise UserError(
           f"{big_name}={big} is not a multiple of {small_name}={small}; periods must "
           f"divide each other, e.g. set {big_name}={(big // small + 1) * small}.")
   epoch = active[0][0] if active else max(total_steps, 1)
@@ -82,7 +83,7 @@ def check_step_count(name: str, value: Any) -> None:
   is_total = name.startswith("total_steps")
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     example = "; e.g. --gin.TRAIN_STEPS=1000" if is_total else ""
-    raise TypeError(f"{name} must be a whole number of steps, got {value!r} "
+    raise UserError(f"{name} must be a whole number of steps, got {value!r} "
                     f"({type(value).__name__}){example}.")
   if is_total and value < 0:
-    raise ValueError(f"{name}={value} must be 0 or more.")
+    raise UserError(f"{name}={value} must be 0 or more.")

@@ -16,6 +16,7 @@ from t5lite import actions as actions_lib
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceLimits
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 
 
@@ -62,8 +63,8 @@ class RunConfig:
     args = dict(arguments)
     peak = args["peak_flops_per_device"]
     if peak is not None and not peak > 0:
-      raise ValueError(f"train.peak_flops_per_device must be a positive FLOP/s figure or None, "
-                       f"got {peak!r}.")
+      raise UserError(f"train.peak_flops_per_device must be a positive FLOP/s figure or None, "
+                      f"got {peak!r}.")
     divergence = DivergenceLimits(max_update_ratio=args.pop("max_update_ratio"),
                                   loss_spike_factor=args.pop("loss_spike_factor"),
                                   loss_spike_window=args.pop("loss_spike_window"))

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from t5lite import console, write_errors
+from t5lite.errors import UserError
 
 LOCK_FILE = "train.lock"
 HEARTBEAT_SECONDS = 30.0
@@ -31,7 +32,7 @@ HEARTBEAT_SECONDS = 30.0
 STALE_AFTER_SECONDS = 300.0
 
 
-class ModelDirInUse(ValueError):
+class ModelDirInUse(UserError):
   """Another live trainer holds the MODEL_DIR (a user error: exit 2)."""
 
 

@@ -25,6 +25,7 @@ from t5lite import interop
 from t5lite import metrics as metrics_lib
 from t5lite import optimizers
 from t5lite import tree_paths
+from t5lite.errors import UserError
 from t5lite.feeder import TrainData, fast_forward
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState, state_logical_axes
@@ -100,14 +101,14 @@ def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | N
     return Start("fresh", 0, plan)
   foreign = interop.checkpoint_format(restore_cfg.path)
   if foreign and restore_cfg.assignment_map:
-    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, whose names t5lite maps "
-                     "itself: remove RestoreCheckpointConfig.assignment_map.")
+    raise UserError(f"{restore_cfg.path} is a {foreign} checkpoint, whose names t5lite maps "
+                    "itself: remove RestoreCheckpointConfig.assignment_map.")
   if foreign == interop.T5X and not restore_cfg.params_only:
     return Start("import_state", interop.checkpoint_step(restore_cfg.path), plan)
   if foreign and not restore_cfg.params_only:
-    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, which holds parameters "
-                     "only: set RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin "
-                     "does).")
+    raise UserError(f"{restore_cfg.path} is a {foreign} checkpoint, which holds parameters "
+                    "only: set RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin "
+                    "does).")
   if foreign:
     return Start("import", 0, plan)
   if restore_cfg.params_only:
@@ -262,10 +263,10 @@ def t5x_adafactor_slots(opt_state: Any) -> Any:
   """
   slots = optimizers.adafactor_state(opt_state)
   if slots is None:
-    raise ValueError("Restoring a T5X checkpoint whole continues its Adafactor, but the "
-                     "configured optimizer is not optimizers.adafactor: configure it (the gin "
-                     "file t5lite-import writes does), or fine-tune from the parameters only "
-                     "(RestoreCheckpointConfig.params_only = True).")
+    raise UserError("Restoring a T5X checkpoint whole continues its Adafactor, but the "
+                    "configured optimizer is not optimizers.adafactor: configure it (the gin "
+                    "file t5lite-import writes does), or fine-tune from the parameters only "
+                    "(RestoreCheckpointConfig.params_only = True).")
   return slots
 
 

@@ -38,6 +38,7 @@ from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceCheck, DivergenceLimits
+from t5lite.errors import UserError
 from t5lite.feeder import TrainData
 from t5lite.partitioning import Partitioned, Partitioner
 from t5lite.periods import Periods, compute_periods
@@ -54,8 +55,8 @@ def _check_writable(model_dir: str) -> None:
   while not os.path.exists(path):
     path = os.path.dirname(path)
   if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-    raise ValueError(f"MODEL_DIR '{model_dir}' is not writable ('{path}' is not a writable "
-                     "directory); choose another MODEL_DIR or fix its permissions.")
+    raise UserError(f"MODEL_DIR '{model_dir}' is not writable ('{path}' is not a writable "
+                    "directory); choose another MODEL_DIR or fix its permissions.")
 
 
 def validate(run: RunConfig, trainer: Any) -> Periods:
@@ -81,8 +82,8 @@ def validate(run: RunConfig, trainer: Any) -> Periods:
     run.model.validate_vocabulary(cfg.mixture_or_task_name, datasets.get_vocabulary(cfg)[1])
   infer_cfg = run.infer_eval_dataset_cfg
   if infer_cfg is not None and infer_cfg.pack:
-    raise ValueError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
-                     f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
+    raise UserError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
+                    f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
   return periods
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from t5lite import metrics as metrics_lib
 from t5lite import optimizers
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState
 
@@ -235,10 +236,10 @@ class Trainer:
     """Cheap checks before anything compiles."""
     n = self.num_microbatches
     if n is not None and (n <= 0 or batch_size % n):
-      raise ValueError(
+      raise UserError(
           f"num_microbatches={n} must be a positive divisor of the batch size {batch_size}.")
     if n and n > 1 and (batch_size // n) % self.partitioner.batch_size_divisor():
-      raise ValueError(
+      raise UserError(
           f"Each microbatch ({batch_size} / {n} = {batch_size // n} examples) must split "
           f"over the {self.partitioner.batch_size_divisor()} data-parallel devices; "
           "use fewer microbatches or a larger batch.")

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from t5lite import console
+from t5lite.errors import UserError
 
 FLAGS = flags.FLAGS
 
@@ -50,14 +51,14 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     ValueError: no --input, or a value that names no existing file.
   """
   if not patterns:
-    raise ValueError("No --input given; pass --input=FILE_OR_GLOB (repeatable).")
+    raise UserError("No --input given; pass --input=FILE_OR_GLOB (repeatable).")
   files = []
   for pattern in patterns:
     matched = sorted(glob.glob(os.path.expanduser(pattern)))
     matched = [m for m in matched if os.path.isfile(m)]
     if not matched:
-      raise ValueError(f"--input '{pattern}' matches no file; check the path (quote globs "
-                       "so the shell passes them through).")
+      raise UserError(f"--input '{pattern}' matches no file; check the path (quote globs "
+                      "so the shell passes them through).")
     files += [m for m in matched if m not in files]
   return files
 
@@ -65,8 +66,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
 def model_prefix(value: str | None) -> str:
   """The prefix SentencePiece writes `<prefix>.model` to."""
   if not value:
-    raise ValueError("No --model_prefix given; pass e.g. --model_prefix=vocab/my to write "
-                     "vocab/my.model.")
+    raise UserError("No --model_prefix given; pass e.g. --model_prefix=vocab/my to write "
+                    "vocab/my.model.")
   return value[:-len(".model")] if value.endswith(".model") else value
 
 
@@ -89,8 +90,8 @@ def train_vocabulary() -> str:
   """
   from t5lite.data import vocabularies
   if FLAGS.vocab_size is None:
-    raise ValueError("No --vocab_size given; pass e.g. --vocab_size=8000 (the pieces, "
-                     "specials included).")
+    raise UserError("No --vocab_size given; pass e.g. --vocab_size=8000 (the pieces, "
+                    "specials included).")
   files = expand_inputs(FLAGS.input)
   path = vocabularies.train_sentencepiece(
       files, model_prefix(FLAGS.model_prefix), FLAGS.vocab_size, model_type=FLAGS.model_type,
@@ -111,13 +112,7 @@ def _main(argv: Sequence[str]) -> None:
     print(f"t5lite-vocab: unexpected arguments {list(argv[1:])}; flags look like "
           "--input=FILE.", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
-  try:
-    text = train_vocabulary()
-  except (ValueError, FileNotFoundError) as error:
-    print(f"t5lite-vocab: {type(error).__name__}: {' '.join(str(error).split())}",
-          file=sys.stderr)
-    sys.exit(USER_ERROR_EXIT)
-  print(text)
+  console.exit_on_user_error("t5lite-vocab", train_vocabulary)
 
 
 def main() -> None:

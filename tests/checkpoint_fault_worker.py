@@ -22,7 +22,7 @@ import sys
 
 from absl import app
 
-from t5lite import cli
+from t5lite import cli, console
 
 # The C++ start-up lines of TensorFlow and XLA stay off stderr, as in the CLI.
 with cli._native_start_up_logs_hidden():
@@ -86,7 +86,7 @@ def main(cause: str, model_dir: str) -> None:
     checkpointer.wait_until_finished()
     checkpointer.close()
   except OSError as error:  # what cli._run maps to the I/O exit status
-    cli._stop(cli.IO_ERROR_EXIT, cli.one_line(error))
+    cli._stop(cli.IO_ERROR_EXIT, console.one_line(error))
   print("all saves succeeded", file=sys.stderr)
 
 

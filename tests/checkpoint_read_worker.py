@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite import checkpoints, cli
+from t5lite import checkpoints, cli, console
 
 _ARRAYS = 48
 
@@ -90,8 +90,8 @@ def main(damage: str, how: str, model_dir: str, repeats: int) -> None:
       print(_read(how, model_dir, step, abstract), flush=True)
     except checkpoints.CheckpointReadError as error:  # what cli._run maps to exit 2
       if attempt == repeats - 1:
-        cli._stop(cli.USER_ERROR_EXIT, cli.one_line(error))
-      print(cli.one_line(error), flush=True)
+        cli._stop(cli.USER_ERROR_EXIT, console.one_line(error))
+      print(console.one_line(error), flush=True)
 
 
 if __name__ == "__main__":

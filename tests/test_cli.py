@@ -236,6 +236,49 @@ def test_unknown_task_is_one_line(tmp_path):
   assert "t5lite_span_corruptoin" in last and "t5lite_span_corruption" in last
 
 
+# A bug that shows only hours into a run: the train step raises a TypeError
+# at step 3, as a shape or type mistake in a model would. The module is
+# loaded as the run's task module, the way a user's own code is.
+_BUG_AT_STEP_3 = """
+from t5lite import trainer
+
+_compile = trainer.Trainer.compile_train_step
+
+
+class BuggyAtStep3:
+  def __init__(self, step_fn):
+    self._step_fn, self._calls = step_fn, 0
+
+  def __getattr__(self, name):
+    return getattr(self._step_fn, name)
+
+  def __call__(self, state, batch):
+    self._calls += 1
+    if self._calls == 3:
+      raise TypeError("injected at step 3: unsupported operand type(s) for +: 'int' and 'NoneType'")
+    return self._step_fn(state, batch)
+
+
+trainer.Trainer.compile_train_step = lambda self, *args: BuggyAtStep3(_compile(self, *args))
+"""
+
+
+@pytest.mark.slow
+def test_a_bug_hours_into_training_shows_its_traceback_and_exits_1(tmp_path):
+  (tmp_path / "bug_at_step_3.py").write_text(_BUG_AT_STEP_3)
+  model_dir = tmp_path / "run"
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
+                 "--gin.MIXTURE_OR_TASK_MODULE='bug_at_step_3'"], cwd=str(tmp_path))
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+  assert 'bug_at_step_3.py", line' in out.stderr  # the frame that raised it
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("t5lite: Unexpected error, a bug in t5lite or a library"), last
+  assert "TypeError: injected at step 3" in last, last
+  # What was saved before the bug stays.
+  assert os.listdir(model_dir / "checkpoints") == ["2"]
+
+
 @pytest.mark.slow
 def test_decoder_only_lm_trains(tmp_path):
   model_dir = tmp_path / "lm"

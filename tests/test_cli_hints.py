@@ -143,7 +143,7 @@ def test_known_jax_platforms_pass(value):
 @pytest.mark.slow
 @pytest.mark.parametrize("args, env, message", [
     (["--gin.TRAIN_STEPS=(5"], {}, "t5lite: ValueError: --gin.TRAIN_STEPS=(5 is not valid gin"),
-    (["--gin.TRAIN_STEPS='abc'"], {}, "t5lite: TypeError: total_steps (TRAIN_STEPS) must be a "
+    (["--gin.TRAIN_STEPS='abc'"], {}, "t5lite: ValueError: total_steps (TRAIN_STEPS) must be a "
      "whole number of steps, got 'abc' (str)"),
     ([], {"JAX_PLATFORMS": "cpux"}, "t5lite: ValueError: JAX_PLATFORMS='cpux' names unknown"),
 ])

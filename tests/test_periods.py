@@ -2,6 +2,7 @@
 
 import pytest
 
+from t5lite.errors import UserError
 from t5lite.periods import compute_periods
 
 
@@ -43,12 +44,12 @@ def test_bad_periods_fail_with_a_fix(kw, message):
 
 
 @pytest.mark.parametrize("kw, error, message", [
-    (dict(total_steps="abc"), TypeError,
+    (dict(total_steps="abc"), UserError,
      r"^total_steps \(TRAIN_STEPS\) must be a whole number of steps, got 'abc' \(str\); "
      r"e\.g\. --gin\.TRAIN_STEPS=1000\.$"),
-    (dict(total_steps=2.5), TypeError, r"got 2\.5 \(float\)"),
+    (dict(total_steps=2.5), UserError, r"got 2\.5 \(float\)"),
     (dict(total_steps=-3), ValueError, r"^total_steps \(TRAIN_STEPS\)=-3 must be 0 or more\.$"),
-    (dict(eval_period="10"), TypeError, r"^eval_period must be a whole number of steps, got '10'"),
+    (dict(eval_period="10"), UserError, r"^eval_period must be a whole number of steps, got '10'"),
 ])
 def test_step_counts_of_the_wrong_type_or_sign_fail(kw, error, message):
   with pytest.raises(error, match=message):

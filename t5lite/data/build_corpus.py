@@ -29,6 +29,7 @@ import tokenize
 from collections.abc import Iterable, Iterator
 
 from t5lite.data import vocabularies
+from t5lite.errors import UserError
 
 CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "corpus"
 CORPUS_NAME = "stdlib_docs"
@@ -65,7 +66,7 @@ def corpus_file(split: str, directory: pathlib.Path = CORPUS_DIR) -> pathlib.Pat
     ValueError: for an unknown split.
   """
   if split not in SPLITS:
-    raise ValueError(f"Unknown corpus split '{split}'. Allowed: {', '.join(SPLITS)}.")
+    raise UserError(f"Unknown corpus split '{split}'. Allowed: {', '.join(SPLITS)}.")
   return directory / f"{CORPUS_NAME}_{split}.txt.gz"
 
 
@@ -285,7 +286,7 @@ def build(
       defines the corpus.
   """
   if sys.version_info[:2] != (3, 11):
-    raise ValueError(
+    raise UserError(
         "The corpus is defined by CPython 3.11's standard library; this is "
         f"Python {sys.version.split()[0]}. Run the script with Python 3.11."
     )

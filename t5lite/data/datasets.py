@@ -23,6 +23,7 @@ import tensorflow as tf
 from t5lite.data import preprocessors
 # Importing tasks registers the embedded tasks.
 from t5lite.data import tasks
+from t5lite.errors import UserError
 
 # SeqIO hands its random preprocessors their seeds from one process-wide
 # counter while it traces a pipeline (`seqio.utils.map_seed_manager`), so two
@@ -92,7 +93,7 @@ def _import_task_module(module: str) -> None:
   try:
     importlib.import_module(module)
   except Exception as e:  # A user module can fail in any way while importing.
-    raise ValueError(
+    raise UserError(
         f"Could not import task module '{module}' (MIXTURE_OR_TASK_MODULE): "
         f"{type(e).__name__}: {e}. Make sure it is importable from the "
         "Python path and registers its tasks when imported."
@@ -144,28 +145,28 @@ def get_mixture_or_task(name: str, module: str | None = None) -> seqio.Task | se
     return seqio.MixtureRegistry.get(name)
   if name in seqio.TaskRegistry.names():
     return seqio.TaskRegistry.get(name)
-  raise ValueError(_unknown_name_message(name))
+  raise UserError(_unknown_name_message(name))
 
 
 def _check_mixture_rates(name: str, rates: Mapping[str, float]) -> dict[str, float]:
   """Checks a mixture's components and weights; returns {component: float weight}."""
   if not isinstance(name, str) or not name:
-    raise ValueError(f"Mixture name must be a non-empty string, got {name!r}.")
+    raise UserError(f"Mixture name must be a non-empty string, got {name!r}.")
   if name in seqio.TaskRegistry.names():
-    raise ValueError(f"Mixture name '{name}' is already a registered task; choose another name.")
+    raise UserError(f"Mixture name '{name}' is already a registered task; choose another name.")
   if not isinstance(rates, Mapping) or not rates:
-    raise ValueError(
+    raise UserError(
         f"Mixture '{name}' needs a non-empty dict of task name -> sampling weight, got "
         f"{rates!r}, e.g. {{'{tasks.SPAN_CORRUPTION}': 3.0, '{tasks.ARITHMETIC}': 1.0}}.")
   for component, weight in rates.items():
     if component == name:
-      raise ValueError(f"Mixture '{name}' cannot contain itself.")
+      raise UserError(f"Mixture '{name}' cannot contain itself.")
     if component not in _registered_names():
-      raise ValueError(f"Mixture '{name}': {_unknown_name_message(component)}")
+      raise UserError(f"Mixture '{name}': {_unknown_name_message(component)}")
     if (isinstance(weight, bool) or not isinstance(weight, (int, float))
         or not math.isfinite(weight) or weight <= 0):
-      raise ValueError(f"Mixture '{name}': the weight of '{component}' must be a positive "
-                       f"number, got {weight!r}.")
+      raise UserError(f"Mixture '{name}': the weight of '{component}' must be a positive "
+                      f"number, got {weight!r}.")
   return {component: float(weight) for component, weight in rates.items()}
 
 
@@ -179,7 +180,7 @@ def _check_same_features(name: str, components: list[str]) -> None:
   for component in components[1:]:
     other = signature(component)
     if other != first:
-      raise ValueError(
+      raise UserError(
           f"Mixture '{name}': '{component}' produces {other} but '{components[0]}' produces "
           f"{first} (feature: (vocabulary, size)); mix only tasks with the same features "
           "and vocabulary.")
@@ -225,12 +226,12 @@ def register_mixture(name: str, tasks: Mapping[str, float], module: str | None =
 
 def _check_batch_size(batch_size: int, num_shards: int) -> None:
   if not isinstance(num_shards, int) or num_shards < 1:
-    raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
+    raise UserError(f"num_shards must be a positive integer, got {num_shards!r}.")
   if not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    raise UserError(f"batch_size must be a positive integer, got {batch_size!r}.")
   if batch_size % num_shards:
     larger = -(-batch_size // num_shards) * num_shards
-    raise ValueError(
+    raise UserError(
         f"batch_size {batch_size} is not divisible by the number of data "
         f"shards {num_shards}; use a multiple of {num_shards} such as {larger}."
     )
@@ -239,7 +240,7 @@ def _check_batch_size(batch_size: int, num_shards: int) -> None:
 def _check_split(provider: seqio.Task | seqio.Mixture, split: str) -> None:
   splits = sorted(provider.splits)
   if split not in splits:
-    raise ValueError(
+    raise UserError(
         f"Split '{split}' is not available for '{provider.name}'. "
         f"Available: {', '.join(splits)}."
     )
@@ -250,13 +251,13 @@ def _check_feature_lengths(
 ) -> None:
   expected = sorted(provider.output_features)
   if sorted(lengths) != expected:
-    raise ValueError(
+    raise UserError(
         f"task_feature_lengths keys {sorted(lengths)} do not match the output "
         f"features of '{provider.name}': {expected}. Give one length per feature."
     )
   bad = {key: value for key, value in lengths.items() if not isinstance(value, int) or value < 1}
   if bad:
-    raise ValueError(f"task_feature_lengths must be positive integers, got {bad}.")
+    raise UserError(f"task_feature_lengths must be positive integers, got {bad}.")
 
 
 def _check_span_corruption(
@@ -335,7 +336,7 @@ def get_dataset(
   """
   validate_dataset_config(cfg, num_shards)
   if not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
-    raise ValueError(f"shard_id must be in [0, {num_shards}), got {shard_id!r}.")
+    raise UserError(f"shard_id must be in [0, {num_shards}), got {shard_id!r}.")
   provider = get_mixture_or_task(cfg.mixture_or_task_name, cfg.module)
   with TRACING:
     ds = provider.get_dataset(
@@ -371,7 +372,7 @@ def get_vocabulary(cfg: DatasetConfig) -> tuple[seqio.Vocabulary, seqio.Vocabula
   provider = get_mixture_or_task(cfg.mixture_or_task_name, cfg.module)
   features = provider.output_features
   if "targets" not in features:
-    raise ValueError(
+    raise UserError(
         f"'{cfg.mixture_or_task_name}' has no 'targets' feature (features: "
         f"{', '.join(sorted(features))}); t5lite models need one."
     )

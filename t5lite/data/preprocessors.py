@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import seqio
 import tensorflow as tf
 
+from t5lite.errors import UserError
+
 # Paragraphs concatenated per step before cutting into chunks: enough that
 # few chunks are cut short at a group's end, small enough to stay cheap.
 _CONCAT_GROUP_SIZE = 128
@@ -106,7 +108,7 @@ def raw_length_for_inputs(
 
   if not inputs_fit(2):
     minimum = corrupted_lengths(2, noise_density, mean_noise_span_length, add_eos)[0]
-    raise ValueError(
+    raise UserError(
         f"inputs length {inputs_length} is too short for span corruption; "
         f"use at least {minimum}."
     )
@@ -287,7 +289,7 @@ def split_tokens(
     ValueError: if `max_tokens_per_segment` is not positive.
   """
   if max_tokens_per_segment < 1:
-    raise ValueError(f"max_tokens_per_segment must be positive, got {max_tokens_per_segment}.")
+    raise UserError(f"max_tokens_per_segment must be positive, got {max_tokens_per_segment}.")
 
   def segments(features: Mapping[str, tf.Tensor]) -> tf.data.Dataset:
     tokens = features[feature_key]
@@ -320,7 +322,7 @@ def chunk_stream(
     ValueError: if `sequence_length` has no length for `feature_key`.
   """
   if not sequence_length or not sequence_length.get(feature_key):
-    raise ValueError(
+    raise UserError(
         f"chunk_stream needs a task feature length for '{feature_key}', got "
         f"{sequence_length!r}; set TASK_FEATURE_LENGTHS."
     )
@@ -354,7 +356,7 @@ def span_corruption_chunk_length(
       short, or the chunks need more sentinels than the vocabulary has.
   """
   if not sequence_length or not all(sequence_length.get(k) for k in ("inputs", "targets")):
-    raise ValueError(
+    raise UserError(
         "span_corruption needs task feature lengths for 'inputs' and 'targets', "
         f"got {sequence_length!r}; set TASK_FEATURE_LENGTHS."
     )
@@ -364,7 +366,7 @@ def span_corruption_chunk_length(
   )
   needed = corrupted_lengths(raw, noise_density, mean_noise_span_length, add_eos)[1]
   if needed > sequence_length["targets"]:
-    raise ValueError(
+    raise UserError(
         f"targets length {sequence_length['targets']} is too short for span "
         f"corruption with inputs length {sequence_length['inputs']} "
         f"(noise_density={noise_density}, mean_noise_span_length="
@@ -373,7 +375,7 @@ def span_corruption_chunk_length(
   extra_ids = output_features["targets"].vocabulary.extra_ids
   num_spans = noise_span_counts(raw, noise_density, mean_noise_span_length)[1]
   if num_spans > extra_ids:
-    raise ValueError(
+    raise UserError(
         f"Span corruption of {raw}-token chunks needs {num_spans} sentinels but "
         f"the vocabulary has {extra_ids} extra ids; use a shorter inputs "
         "length or a larger mean_noise_span_length."

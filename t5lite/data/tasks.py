@@ -33,6 +33,7 @@ from t5lite.data import autograph
 from t5lite.data import build_corpus
 from t5lite.data import preprocessors
 from t5lite.data import vocabularies
+from t5lite.errors import UserError
 
 SPAN_CORRUPTION = "t5lite_span_corruption"
 SPAN_CORRUPTION_SPM = "t5lite_span_corruption_spm"
@@ -144,7 +145,7 @@ def _as_pairs(questions: np.ndarray, answers: np.ndarray) -> tuple[tuple[str, st
 def _arithmetic_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
   """`arithmetic_examples(split)` as read-only (questions, answers) `S` arrays."""
   if split not in ARITHMETIC_SIZES:
-    raise ValueError(
+    raise UserError(
         f"Unknown arithmetic split '{split}'. Allowed: {', '.join(ARITHMETIC_SIZES)}."
     )
 
@@ -218,7 +219,7 @@ def _spaced_digits(prefix: bytes, digits: np.ndarray, lengths: np.ndarray) -> np
 def _sort_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
   """`sort_examples(split)` as read-only (questions, answers) `S` arrays."""
   if split not in SORT_SIZES:
-    raise ValueError(f"Unknown sort split '{split}'. Allowed: {', '.join(SORT_SIZES)}.")
+    raise UserError(f"Unknown sort split '{split}'. Allowed: {', '.join(SORT_SIZES)}.")
   powers = np.uint64(11) ** np.arange(_SORT_MAX_DIGITS, dtype=np.uint64)
 
   def in_split(indices: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -296,7 +297,7 @@ def exact_match_accuracy(targets: Sequence[str], predictions: Sequence[str]) -> 
     ValueError: if the two sequences differ in length.
   """
   if len(targets) != len(predictions):
-    raise ValueError(
+    raise UserError(
         f"Got {len(targets)} targets but {len(predictions)} predictions; "
         "they must pair up."
     )

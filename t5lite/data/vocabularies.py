@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 import seqio
 import sentencepiece as spm
 
+from t5lite.errors import UserError
+
 EXTRA_IDS = 100
 VOCAB_DIR = pathlib.Path(__file__).resolve().parent / "vocab"
 # Trained by `python -m t5lite.data.build_corpus` on the training split of the
@@ -67,7 +69,7 @@ def sentencepiece_vocabulary(
     fix = ("regenerate it with `python -m t5lite.data.build_corpus`" if model_path is None
            else "pass an existing .model file (a Hugging Face T5 folder has it as "
            "spiece.model)")
-    raise ValueError(f"SentencePiece model '{path}' does not exist; {fix}.")
+    raise UserError(f"SentencePiece model '{path}' does not exist; {fix}.")
   return seqio.SentencePieceVocabulary(str(path), extra_ids=extra_ids)
 
 
@@ -87,7 +89,7 @@ def padded_vocab_size(vocab: seqio.Vocabulary, multiple: int = 128) -> int:
     ValueError: if `multiple` is not a positive integer.
   """
   if not isinstance(multiple, int) or multiple < 1:
-    raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
+    raise UserError(f"multiple must be a positive integer, got {multiple!r}.")
   return -(-vocab.vocab_size // multiple) * multiple
 
 
@@ -108,20 +110,20 @@ def _check_train_args(
 ) -> None:
   """Raises ValueError for arguments SentencePiece would reject obscurely."""
   if model_type not in _MODEL_TYPES:
-    raise ValueError(
+    raise UserError(
         f"Unknown SentencePiece model_type '{model_type}'. Allowed: "
         f"{', '.join(_MODEL_TYPES)}."
     )
   if not isinstance(vocab_size, int) or vocab_size < 4:
-    raise ValueError(
+    raise UserError(
         "vocab_size must be an integer >= 4 (pad, eos, unk and at least one "
         f"piece), got {vocab_size!r}."
     )
   if not text_files:
-    raise ValueError("text_files is empty; pass at least one text file.")
+    raise UserError("text_files is empty; pass at least one text file.")
   missing = [os.fspath(f) for f in text_files if not pathlib.Path(f).is_file()]
   if missing:
-    raise ValueError(f"Text files do not exist: {', '.join(missing)}.")
+    raise UserError(f"Text files do not exist: {', '.join(missing)}.")
 
 
 def train_sentencepiece(
@@ -165,7 +167,7 @@ def train_sentencepiece(
   """
   _check_train_args(text_files, vocab_size, model_type)
   if max_sentences is not None and (not isinstance(max_sentences, int) or max_sentences < 1):
-    raise ValueError(f"max_sentences must be a positive integer or None, got {max_sentences!r}.")
+    raise UserError(f"max_sentences must be a positive integer or None, got {max_sentences!r}.")
   buffer = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -186,7 +188,7 @@ def train_sentencepiece(
         minloglevel=2,
     )
   except RuntimeError as e:
-    raise ValueError(
+    raise UserError(
         f"SentencePiece training failed for vocab_size={vocab_size}, "
         f"model_type='{model_type}': {str(e).rstrip('.')}. Use a smaller vocab_size or more "
         "text."

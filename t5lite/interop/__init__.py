@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from t5lite import tree_paths
+from t5lite.errors import UserError
 from t5lite.interop import gin_file
 from t5lite.interop import huggingface
 from t5lite.interop import lazy
@@ -77,8 +78,8 @@ def describe(path: str) -> tuple[str, str, dict[str, Any], tuple[str, str | None
     network, fields, vocabulary = t5x.model_fields(checkpoint)
     return (f"T5X {checkpoint.format} checkpoint (step {checkpoint.step})", network, fields,
             vocabulary)
-  raise ValueError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
-                   "Face folder (config.json + *.safetensors).")
+  raise UserError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
+                  "Face folder (config.json + *.safetensors).")
 
 
 def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
@@ -98,8 +99,8 @@ def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
     checkpoint = t5x.T5xCheckpoint(path)
     return (t5x.to_t5lite(checkpoint),
             f"T5X {checkpoint.format} checkpoint {checkpoint.path} (step {checkpoint.step})")
-  raise ValueError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
-                   "Face folder (config.json + *.safetensors).")
+  raise UserError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
+                  "Face folder (config.json + *.safetensors).")
 
 
 def _block_interval(targets: dict[str, Any], stack: str) -> int:
@@ -170,8 +171,8 @@ def plan(sources: dict[str, lazy.LazyArray], abstract_params: Any, description: 
   if len(shapes) > _MAX_PROBLEMS:
     problems.append(f"{len(shapes) - _MAX_PROBLEMS} more shape mismatch(es)")
   if problems:
-    raise ValueError(f"{description} does not match the model: " + "; ".join(problems)
-                     + ". Use the gin file `t5lite-import` writes for this checkpoint.")
+    raise UserError(f"{description} does not match the model: " + "; ".join(problems)
+                    + ". Use the gin file `t5lite-import` writes for this checkpoint.")
   return chosen
 
 
@@ -211,18 +212,18 @@ def _plan_t5x_adafactor(path: str, abstract_params: Any, abstract_slots: Any
   """(T5X's step, field -> t5lite parameter name -> slot or None), checked
   against the configured Adafactor's slots before any data is read."""
   if checkpoint_format(path) != T5X:
-    raise ValueError(f"{path} holds no optimizer state t5lite can continue (only T5X "
-                     "checkpoints do): fine-tune from its parameters "
-                     "(RestoreCheckpointConfig.params_only = True).")
+    raise UserError(f"{path} holds no optimizer state t5lite can continue (only T5X "
+                    "checkpoints do): fine-tune from its parameters "
+                    "(RestoreCheckpointConfig.params_only = True).")
   checkpoint = t5x.T5xCheckpoint(path)
   if any(re.match(r"target/(encoder|decoder)/layers/", name) for name in checkpoint.arrays):
-    raise ValueError(f"{checkpoint.path} stacks its layers (scan): t5lite continues only the "
-                     "optimizer state of unstacked T5X checkpoints; fine-tune from its "
-                     "parameters (RestoreCheckpointConfig.params_only = True).")
+    raise UserError(f"{checkpoint.path} stacks its layers (scan): t5lite continues only the "
+                    "optimizer state of unstacked T5X checkpoints; fine-tune from its "
+                    "parameters (RestoreCheckpointConfig.params_only = True).")
   layout = t5x.t5x_layout(checkpoint)
   slots = checkpoint.optimizer_arrays()
   if "state/step" not in slots:
-    raise ValueError(f"{checkpoint.path} has no optimizer step (state/step).")
+    raise UserError(f"{checkpoint.path} has no optimizer step (state/step).")
   targets = tree_paths.leaves_by_name(abstract_params)
   fields = {f: tree_paths.leaves_by_name(getattr(abstract_slots, f))
             for f in ("v_row", "v_col", "v", "m")}
@@ -250,11 +251,11 @@ def _plan_t5x_adafactor(path: str, abstract_params: Any, abstract_slots: Any
                          lazy.stack(parts) if stacked else parts[0])
   if problems:
     more = f"; and {len(problems) - _MAX_PROBLEMS} more" if len(problems) > _MAX_PROBLEMS else ""
-    raise ValueError(f"The Adafactor state of {checkpoint.path} does not fit the configured "
-                     f"optimizer: {'; '.join(problems[:_MAX_PROBLEMS])}{more}. Configure "
-                     "optimizers.adafactor as the T5X run did (t5lite-import writes it), or "
-                     "fine-tune from its parameters (RestoreCheckpointConfig.params_only = "
-                     "True).")
+    raise UserError(f"The Adafactor state of {checkpoint.path} does not fit the configured "
+                    f"optimizer: {'; '.join(problems[:_MAX_PROBLEMS])}{more}. Configure "
+                    "optimizers.adafactor as the T5X run did (t5lite-import writes it), or "
+                    "fine-tune from its parameters (RestoreCheckpointConfig.params_only = "
+                    "True).")
   return slots["state/step"], chosen
 
 
@@ -305,8 +306,8 @@ def export_fields(model: Any) -> dict[str, Any]:
   from t5lite.models import transformer  # the models are interop's only target
   module = getattr(model, "module", None)
   if not isinstance(module, transformer.EncoderDecoder):
-    raise ValueError(f"Only encoder-decoder models have a Hugging Face counterpart; this "
-                     f"model's network is {type(module).__name__}.")
+    raise UserError(f"Only encoder-decoder models have a Hugging Face counterpart; this "
+                    f"model's network is {type(module).__name__}.")
   fields = dataclasses.asdict(module.config)
   huggingface.hf_config(fields)
   return fields

@@ -33,6 +33,8 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from t5lite import write_errors
+from t5lite.errors import UserError
 from t5lite.interop import lazy
 
 CONFIG = "config.json"
@@ -67,7 +69,7 @@ def _read_json(file: str) -> dict[str, Any]:
     with open(file) as f:
       return json.load(f)
   except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{file} is not readable JSON ({e}).") from None
+    raise UserError(f"{file} is not readable JSON ({e}).") from None
 
 
 class HuggingFaceFolder:
@@ -85,8 +87,8 @@ class HuggingFaceFolder:
     self.config = _read_json(os.path.join(self.path, CONFIG))
     self.model_type = self.config.get("model_type")
     if self.model_type not in MODEL_TYPES:
-      raise ValueError(f"{os.path.join(self.path, CONFIG)} has model_type "
-                       f"{self.model_type!r}; t5lite imports {', '.join(MODEL_TYPES)}.")
+      raise UserError(f"{os.path.join(self.path, CONFIG)} has model_type "
+                      f"{self.model_type!r}; t5lite imports {', '.join(MODEL_TYPES)}.")
     self._handles: dict[str, Any] = {}
     self.files = self._weight_files()
 
@@ -95,25 +97,25 @@ class HuggingFaceFolder:
     if os.path.isfile(index):
       weight_map = _read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
-        raise ValueError(f"{index} has no weight_map.")
+        raise UserError(f"{index} has no weight_map.")
       return {name: os.path.join(self.path, file) for name, file in weight_map.items()}
     single = os.path.join(self.path, WEIGHTS)
     if os.path.isfile(single):
       return {name: single for name in self._open(single).keys()}
     pickles = [p for p in _PICKLES if os.path.exists(os.path.join(self.path, p))]
     if pickles:
-      raise ValueError(
+      raise UserError(
           f"{os.path.join(self.path, pickles[0])} is a pickle, which t5lite never loads; "
           "convert it to safetensors first (in transformers: model.save_pretrained(folder, "
           "safe_serialization=True)).")
-    raise ValueError(f"{self.path} has no {WEIGHTS} or {INDEX}.")
+    raise UserError(f"{self.path} has no {WEIGHTS} or {INDEX}.")
 
   def _open(self, file: str) -> Any:
     if file not in self._handles:
       try:
         self._handles[file] = safe_open(file, framework="np")
       except Exception as e:  # safetensors raises its own error types.
-        raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
+        raise UserError(f"{file} is not a readable safetensors file ({e}).") from None
     return self._handles[file]
 
   def array(self, name: str) -> lazy.LazyArray:
@@ -129,17 +131,17 @@ class HuggingFaceFolder:
     try:
       region = handle.get_slice(name)
     except Exception as e:  # a name the index promises but the file lacks.
-      raise ValueError(f"{file} does not hold {name} ({e}).") from None
+      raise UserError(f"{file} does not hold {name} ({e}).") from None
     dtype = region.get_dtype()
     if dtype not in _DTYPES:
-      raise ValueError(f"{file}: {name} has dtype {dtype}; t5lite reads "
-                       f"{', '.join(_DTYPES)}.")
+      raise UserError(f"{file}: {name} has dtype {dtype}; t5lite reads "
+                      f"{', '.join(_DTYPES)}.")
 
     def reader(index: lazy.Index) -> np.ndarray:
       try:
         return np.asarray(region[index])
       except Exception as e:  # a truncated file fails here.
-        raise ValueError(f"{file}: {name} cannot be read ({e}).") from None
+        raise UserError(f"{file}: {name} cannot be read ({e}).") from None
 
     return lazy.LazyArray(tuple(region.get_shape()), np.dtype(_DTYPES[dtype]), reader,
                           f"{file} array {name}")
@@ -155,7 +157,7 @@ class HuggingFaceFolder:
 def _get(config: dict[str, Any], key: str, default: Any = None) -> Any:
   value = config.get(key, default)
   if value is None:
-    raise ValueError(f"config.json has no {key!r}.")
+    raise UserError(f"config.json has no {key!r}.")
   return value
 
 
@@ -170,11 +172,11 @@ def model_config(folder: HuggingFaceFolder) -> dict[str, Any]:
   c = folder.config
   proj = c.get("feed_forward_proj", "relu")
   if proj not in _ACTIVATIONS:
-    raise ValueError(f"config.json feed_forward_proj {proj!r} is not one of "
-                     f"{sorted(_ACTIVATIONS)}.")
+    raise UserError(f"config.json feed_forward_proj {proj!r} is not one of "
+                    f"{sorted(_ACTIVATIONS)}.")
   if abs(float(c.get("layer_norm_epsilon", 1e-6)) - 1e-6) > 1e-12:
-    raise ValueError(f"config.json layer_norm_epsilon {c['layer_norm_epsilon']} differs from "
-                     "t5lite's RMSNorm epsilon 1e-6.")
+    raise UserError(f"config.json layer_norm_epsilon {c['layer_norm_epsilon']} differs from "
+                    "t5lite's RMSNorm epsilon 1e-6.")
   num_layers = _get(c, "num_layers")
   fields = {
       "vocab_size": _get(c, "vocab_size"), "emb_dim": _get(c, "d_model"),
@@ -209,7 +211,7 @@ def _check_output_scale(folder: HuggingFaceFolder, tied: bool) -> None:
   else:
     rescaled = bool(c.get("tie_word_embeddings", True))
   if rescaled != tied:
-    raise ValueError(
+    raise UserError(
         f"{os.path.join(folder.path, CONFIG)}: "
         f"{'tied' if tied else 'untied (lm_head.weight)'} logits "
         f"{'without' if tied else 'with'} the d_model**-0.5 rescale; t5lite rescales exactly "
@@ -226,12 +228,12 @@ def _switch_fields(c: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
       fields[f"num_{stack}_layers"], c.get(f"num_sparse_{stack}_layers", 0))
       for stack in ("encoder", "decoder")}
   if len(steps) != 1 or min(steps) not in (1, 2):
-    raise ValueError(
+    raise UserError(
         f"config.json places Switch experts with sparse steps {sorted(steps)}; t5lite places "
         "them in every layer (step 1) or in layers 1, 3, 5, ... (step 2) of both stacks.")
   step = steps.pop()
   if c.get("router_bias", False):
-    raise ValueError("config.json has router_bias=true; t5lite's router has no bias.")
+    raise UserError("config.json has router_bias=true; t5lite's router has no bias.")
   return {"num_experts": _get(c, "num_experts"), "num_selected_experts": 1,
           "moe_layer_interval": step, "expert_capacity": _get(c, "expert_capacity"),
           "renormalize_router_weights": False, "group_size": None,
@@ -351,8 +353,8 @@ def to_t5lite(folder: HuggingFaceFolder) -> dict[str, lazy.LazyArray]:
     problems = [f"{n} is missing" for n in missing[:3]] + [
         f"{n} has no place in a {folder.model_type} model of this config.json"
         for n in extra[:3]]
-    raise ValueError(f"{folder.path} does not match its config.json: " + "; ".join(problems)
-                     + ".")
+    raise UserError(f"{folder.path} does not match its config.json: " + "; ".join(problems)
+                    + ".")
   return out
 
 
@@ -378,11 +380,11 @@ def hf_config(fields: dict[str, Any]) -> dict[str, Any]:
   """
   activations = tuple(fields["mlp_activations"])
   if fields.get("relpos_per_layer"):
-    raise ValueError("relpos_per_layer=True has no Hugging Face T5 counterpart, which shares "
-                     "one relative-position table per stack.")
+    raise UserError("relpos_per_layer=True has no Hugging Face T5 counterpart, which shares "
+                    "one relative-position table per stack.")
   if activations not in _ACTIVATION_NAMES:
-    raise ValueError(f"mlp_activations {activations} has no Hugging Face T5 counterpart; "
-                     f"those are {sorted(_ACTIVATIONS.values())}.")
+    raise UserError(f"mlp_activations {activations} has no Hugging Face T5 counterpart; "
+                    f"those are {sorted(_ACTIVATIONS.values())}.")
   config = {
       "model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
       "vocab_size": fields["vocab_size"], "d_model": fields["emb_dim"],
@@ -419,8 +421,8 @@ def _switch_config(fields: dict[str, Any], activations: tuple[str, ...]) -> dict
   if not fields["logits_via_embedding"]:
     problems.append("untied logits (Switch ties them)")
   if problems:
-    raise ValueError("This MoE model has no Hugging Face Switch Transformers counterpart: "
-                     + "; ".join(problems) + ".")
+    raise UserError("This MoE model has no Hugging Face Switch Transformers counterpart: "
+                    + "; ".join(problems) + ".")
   step = fields["moe_layer_interval"]
   return {
       "model_type": "switch_transformers",
@@ -458,8 +460,10 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
     The files written, `MARKER` last.
 
   Raises:
-    ValueError: the model has no Hugging Face counterpart, or
+    UserError: the model has no Hugging Face counterpart, or
       `check_export_target` refuses the folder; nothing is written then.
+    write_errors.WriteError: a write or rename failed; nothing is left but
+      the earlier export, if there was one.
   """
   config = hf_config(fields)
   tensors = {}
@@ -470,13 +474,18 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
   # A symlinked folder is replaced where it really is, so the renames stay
   # on its file system.
   target = os.path.realpath(output_dir)
-  os.makedirs(os.path.dirname(target), exist_ok=True)
   staging = _sibling(target, "export")
-  os.mkdir(staging)
   try:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.mkdir(staging)
     files = _write_folder(staging, config, tensors, spiece_model, target)
     _write_marker(staging, source, step, files)
     _put_in_place(staging, target)
+  except write_errors.WriteError:
+    raise
+  except OSError as error:  # a full or read-only disk, a failed rename
+    raise write_errors.WriteError(f"Could not write the export {target}: "
+                                  f"{write_errors.reason(error)}.") from error
   finally:
     if os.path.lexists(staging):  # the export failed before its rename
       shutil.rmtree(staging)
@@ -503,15 +512,15 @@ def check_export_target(output_dir: str, source: str, overwrite: bool = False) -
       other than a previous export of `source` and `overwrite` is False.
   """
   if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
-    raise ValueError(f"Export folder {output_dir} exists and is not a folder; name a new "
-                     "folder.")
+    raise UserError(f"Export folder {output_dir} exists and is not a folder; name a new "
+                    "folder.")
   if overwrite or not os.path.isdir(output_dir) or not os.listdir(output_dir):
     return
   reason = _not_an_export_of(output_dir, source)
   if reason is not None:
-    raise ValueError(f"Export folder {output_dir} is not empty and {reason}; an export only "
-                     "replaces an earlier export of the same checkpoint. Name a new folder, "
-                     "or pass --overwrite to replace this one and everything in it.")
+    raise UserError(f"Export folder {output_dir} is not empty and {reason}; an export only "
+                    "replaces an earlier export of the same checkpoint. Name a new folder, "
+                    "or pass --overwrite to replace this one and everything in it.")
 
 
 def _not_an_export_of(folder: str, source: str) -> str | None:
@@ -564,7 +573,7 @@ def _save_tensors(tensors: dict[str, np.ndarray], file: str, target: str) -> Non
   except SafetensorError as e:
     # The arrays are contiguous float32, so what fails here is the write (a
     # full disk, a file too large); safetensors names it with its own type.
-    raise OSError(f"Writing the {WEIGHTS} of {target} failed: {e}") from e
+    raise write_errors.WriteError(f"Writing the {WEIGHTS} of {target} failed: {e}") from e
 
 
 def _write_marker(folder: str, source: str, step: int, files: list[str]) -> None:

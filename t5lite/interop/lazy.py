@@ -17,6 +17,8 @@ import math
 import jax
 import numpy as np
 
+from t5lite.errors import UserError
+
 Index = tuple[slice, ...]
 
 
@@ -67,7 +69,7 @@ def from_numpy(value: np.ndarray, origin: str) -> LazyArray:
 def transpose(x: LazyArray) -> LazyArray:
   """The transpose of a 2-D array, e.g. a torch `[out, in]` weight as `[in, out]`."""
   if len(x.shape) != 2:
-    raise ValueError(f"{x.origin}: expected a 2-D array to transpose, got shape {x.shape}.")
+    raise UserError(f"{x.origin}: expected a 2-D array to transpose, got shape {x.shape}.")
   return LazyArray(x.shape[::-1], x.dtype, lambda index: x.read(index[::-1]).T, x.origin)
 
 
@@ -79,8 +81,8 @@ def split_axis(x: LazyArray, axis: int, sizes: tuple[int, int]) -> LazyArray:
   """
   major, minor = sizes
   if x.shape[axis] != major * minor:
-    raise ValueError(f"{x.origin}: axis {axis} of shape {x.shape} does not split into "
-                     f"{major} x {minor}.")
+    raise UserError(f"{x.origin}: axis {axis} of shape {x.shape} does not split into "
+                    f"{major} x {minor}.")
   shape = x.shape[:axis] + (major, minor) + x.shape[axis + 1:]
 
   def reader(index: Index) -> np.ndarray:
@@ -110,8 +112,8 @@ def stack(parts: Sequence[LazyArray]) -> LazyArray:
   first = parts[0]
   for part in parts[1:]:
     if part.shape != first.shape:
-      raise ValueError(f"Cannot stack {part.origin} {part.shape} with {first.origin} "
-                       f"{first.shape}: the stacked arrays differ in shape.")
+      raise UserError(f"Cannot stack {part.origin} {part.shape} with {first.origin} "
+                      f"{first.shape}: the stacked arrays differ in shape.")
 
   def reader(index: Index) -> np.ndarray:
     chosen = parts[index[0]]
@@ -160,15 +162,15 @@ def reshape(x: LazyArray, shape: Sequence[int]) -> LazyArray:
   axis, position = 0, 0
   while axis < len(wanted):
     if position >= len(x.shape):
-      raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+      raise UserError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
     if x.shape[position] == wanted[axis]:
       axis, position = axis + 1, position + 1
       continue
     if x.shape[position] % wanted[axis] or x.shape[position] == wanted[axis]:
-      raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+      raise UserError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
     x = split_axis(x, position, (wanted[axis], x.shape[position] // wanted[axis]))
   if len(x.shape) != len(wanted):
-    raise ValueError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
+    raise UserError(f"{x.origin}: cannot reshape {x.shape} to {shape}.")
   return _expand(x, shape)
 
 
@@ -182,8 +184,8 @@ def materialize(x: LazyArray, target: jax.ShapeDtypeStruct) -> jax.Array:
     ValueError: the shapes differ.
   """
   if tuple(x.shape) != tuple(target.shape):
-    raise ValueError(f"{x.origin} has shape {x.shape} but the model expects "
-                     f"{tuple(target.shape)}.")
+    raise UserError(f"{x.origin} has shape {x.shape} but the model expects "
+                    f"{tuple(target.shape)}.")
   cache: dict[tuple, np.ndarray] = {}
 
   def callback(index: Index) -> np.ndarray:

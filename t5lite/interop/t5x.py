@@ -37,6 +37,7 @@ from flax import serialization
 import numpy as np
 import tensorstore as ts
 
+from t5lite.errors import UserError
 from t5lite.interop import gin_file
 from t5lite.interop import lazy
 
@@ -65,10 +66,10 @@ class T5xCheckpoint:
       self.format = "orbax"
       self.arrays = _orbax_arrays(os.path.join(self.path, "state"), "target")
     else:
-      raise ValueError(f"{self.path} is neither T5X format: it has no 'checkpoint' msgpack "
-                       "file and no Orbax 'state/' directory.")
+      raise UserError(f"{self.path} is neither T5X format: it has no 'checkpoint' msgpack "
+                      "file and no Orbax 'state/' directory.")
     if not self.arrays:
-      raise ValueError(f"{self.path} holds no model parameters (nothing under 'target').")
+      raise UserError(f"{self.path} holds no model parameters (nothing under 'target').")
 
   def optimizer_arrays(self) -> dict[str, lazy.LazyArray]:
     """The optimizer's arrays: `state/step` and `state/param_states/<param>/<slot>`."""
@@ -105,7 +106,7 @@ def find_step_dir(path: str) -> str:
     steps = [(int(m.group(1)), name) for name in os.listdir(path)
              if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(os.path.join(path, name))]
   if not steps:
-    raise ValueError(f"{path} is not a T5X checkpoint: no checkpoint_<step> directory there.")
+    raise UserError(f"{path} is not a T5X checkpoint: no checkpoint_<step> directory there.")
   return os.path.join(path, max(steps)[1])
 
 
@@ -113,7 +114,7 @@ def _open_zarr(spec: dict[str, Any], origin: str) -> lazy.LazyArray:
   try:
     store = ts.open(spec, open=True, read=True).result()
   except Exception as e:  # tensorstore raises ValueError or its own errors.
-    raise ValueError(f"{origin} cannot be read: {str(e).splitlines()[0]}") from None
+    raise UserError(f"{origin} cannot be read: {str(e).splitlines()[0]}") from None
   return lazy.LazyArray(tuple(store.shape), np.dtype(store.dtype.numpy_dtype),
                         lambda index: store[index].read().result(), origin)
 
@@ -123,7 +124,7 @@ def _orbax_arrays(state_dir: str, root: str) -> dict[str, lazy.LazyArray]:
   parameters, 'state' for the optimizer's), named by their tree paths."""
   metadata_file = os.path.join(state_dir, "_METADATA")
   if not os.path.isfile(metadata_file):
-    raise ValueError(f"{state_dir} has no _METADATA file: an incomplete Orbax checkpoint.")
+    raise UserError(f"{state_dir} has no _METADATA file: an incomplete Orbax checkpoint.")
   with open(metadata_file) as f:
     tree = json.load(f).get("tree_metadata", {})
   ocdbt = os.path.exists(os.path.join(state_dir, "manifest.ocdbt"))
@@ -150,10 +151,10 @@ def _legacy_arrays(step_dir: str, root: str) -> dict[str, lazy.LazyArray]:
     try:
       contents = serialization.msgpack_restore(f.read())
     except Exception as e:  # msgpack raises several unrelated types.
-      raise ValueError(f"{file} is not a readable T5X msgpack checkpoint ({e}).") from None
+      raise UserError(f"{file} is not a readable T5X msgpack checkpoint ({e}).") from None
   target = contents.get("optimizer", {}).get(root) if isinstance(contents, dict) else None
   if not isinstance(target, dict):
-    raise ValueError(f"{file} has no optimizer/{root} tree: not a T5X checkpoint.")
+    raise UserError(f"{file} has no optimizer/{root} tree: not a T5X checkpoint.")
   arrays = {}
 
   def visit(node: Any, names: list[str]) -> None:
@@ -234,8 +235,8 @@ def t5lite_names(params: dict[str, lazy.LazyArray], layers_axis: int = 1
     if len(array.shape) == 2 and len(parts) >= 3 and parts[-3] in _ATTENTIONS:
       stack = parts[0]
       if stack not in heads:
-        raise ValueError(f"{array.origin}: no relative-position table in {stack} to tell "
-                         "its number of heads.")
+        raise UserError(f"{array.origin}: no relative-position table in {stack} to tell "
+                        "its number of heads.")
       h = heads[stack]
       if parts[-2] == "out":
         array = lazy.split_axis(array, 0, (h, array.shape[0] // h))
@@ -354,13 +355,13 @@ def _factored_slots(name: str, shapes: dict[str, tuple[int, ...]], t5x_shape: tu
   param = shapes["param"]
   groups = _groups(param, t5x_shape)
   if len(t5x_shape) != 2 or groups is None:
-    raise ValueError(f"{name}: T5X's factored statistics of a {t5x_shape} parameter cannot be "
-                     "placed")
+    raise UserError(f"{name}: T5X's factored statistics of a {t5x_shape} parameter cannot be "
+                    "placed")
   order = np.argsort(t5x_shape)
   t5x_rows, t5x_cols = int(order[-2]), int(order[-1])
   if t5x_row.shape != (t5x_shape[t5x_rows],) or t5x_col.shape != (t5x_shape[t5x_cols],):
-    raise ValueError(f"{name}: T5X's v_row {t5x_row.shape} / v_col {t5x_col.shape} are not its "
-                     f"size rule's for {t5x_shape}")
+    raise UserError(f"{name}: T5X's v_row {t5x_row.shape} / v_col {t5x_col.shape} are not its "
+                    f"size rule's for {t5x_shape}")
   ours_rows = _reduced_dims(param, shapes["v_col"])  # v_col reduces the rows
   ours_cols = _reduced_dims(param, shapes["v_row"])
   as_t5x = lambda dims: {i for i, g in enumerate(groups) if set(g) & dims}  # noqa: E731
@@ -370,8 +371,8 @@ def _factored_slots(name: str, shapes: dict[str, tuple[int, ...]], t5x_shape: tu
     # The estimate is symmetric in rows and columns; only the names differ.
     pair = t5x_col, t5x_row
   else:
-    raise ValueError(f"{name}: T5X factored it over other dimensions than the configured "
-                     "Adafactor does")
+    raise UserError(f"{name}: T5X factored it over other dimensions than the configured "
+                    "Adafactor does")
   return lazy.reshape(pair[0], shapes["v_row"]), lazy.reshape(pair[1], shapes["v_col"])
 
 
@@ -397,20 +398,20 @@ def adafactor_slots(checkpoint: T5xCheckpoint, name: str, shapes: dict[str, tupl
       side only, a parameter T5X does not have).
   """
   if name not in layout:
-    raise ValueError(f"{name}: not in {checkpoint.path}")
+    raise UserError(f"{name}: not in {checkpoint.path}")
   t5x_name, t5x_shape = layout[name]
   found = {field: slots.get(f"state/param_states/{t5x_name}/{field}")
            for field in ("v_row", "v_col", "v", "m")}
   if any(array is None for array in found.values()):
-    raise ValueError(f"{name}: {checkpoint.path} has no Adafactor slots (v_row, v_col, v, m) "
-                     f"for {t5x_name}")
+    raise UserError(f"{name}: {checkpoint.path} has no Adafactor slots (v_row, v_col, v, m) "
+                    f"for {t5x_name}")
   size = int(np.prod(t5x_shape))
   t5x_factored = found["v"].size == 1 and size > 1
   ours_factored = int(np.prod(shapes["v"])) == 1 and size > 1
   if t5x_factored != ours_factored:
     kind = lambda factored: "factored" if factored else "full"  # noqa: E731
-    raise ValueError(f"{name}: T5X keeps a {kind(t5x_factored)} second moment, the configured "
-                     f"Adafactor a {kind(ours_factored)} one")
+    raise UserError(f"{name}: T5X keeps a {kind(t5x_factored)} second moment, the configured "
+                    f"Adafactor a {kind(ours_factored)} one")
   out = {"v_row": None, "v_col": None, "v": None, "m": None}
   if ours_factored:
     out["v_row"], out["v_col"] = _factored_slots(name, shapes, t5x_shape, found["v_row"],
@@ -420,9 +421,9 @@ def adafactor_slots(checkpoint: T5xCheckpoint, name: str, shapes: dict[str, tupl
   t5x_momentum = found["m"].size == size and size > 1
   ours_momentum = tuple(shapes["m"]) == tuple(shapes["param"]) and size > 1
   if t5x_momentum != ours_momentum:
-    raise ValueError(f"{name}: T5X's state {'has' if t5x_momentum else 'has no'} momentum (m) "
-                     f"but the configured Adafactor {'has' if ours_momentum else 'has none'} "
-                     "(optimizers.adafactor.beta1)")
+    raise UserError(f"{name}: T5X's state {'has' if t5x_momentum else 'has no'} momentum (m) "
+                    f"but the configured Adafactor {'has' if ours_momentum else 'has none'} "
+                    "(optimizers.adafactor.beta1)")
   if ours_momentum:
     out["m"] = lazy.reshape(found["m"], shapes["m"])
   return out

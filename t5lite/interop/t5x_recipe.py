@@ -40,6 +40,7 @@ import dataclasses
 import re
 from typing import Any
 
+from t5lite.errors import UserError
 from t5lite.interop import gin_file
 from t5lite.interop import t5x
 
@@ -152,9 +153,9 @@ def _statements(text: str, path: str) -> list[tuple[int, str]]:
       statements.append((start, " ".join(p for p in parts if p)))
       parts, depth = [], 0
   if parts:
-    raise ValueError(f"{path} line {start}: the value never ends (an unclosed bracket or a "
-                     "trailing backslash); fix config.gin or move it away to import the model "
-                     "alone.")
+    raise UserError(f"{path} line {start}: the value never ends (an unclosed bracket or a "
+                    "trailing backslash); fix config.gin or move it away to import the model "
+                    "alone.")
   return statements
 
 
@@ -191,8 +192,8 @@ def _value(text: str, where: str) -> Any:
   try:
     return _replace(ast.literal_eval("".join(out)), found)
   except (ValueError, SyntaxError, TypeError):
-    raise ValueError(f"{where}: '{text}' is not a gin value t5lite-import can read; fix "
-                     "config.gin or move it away to import the model alone.") from None
+    raise UserError(f"{where}: '{text}' is not a gin value t5lite-import can read; fix "
+                    "config.gin or move it away to import the model alone.") from None
 
 
 def _resolve(value: Any, macros: dict[str, Any], seen: tuple[str, ...] = ()) -> Any:
@@ -201,7 +202,7 @@ def _resolve(value: Any, macros: dict[str, Any], seen: tuple[str, ...] = ()) -> 
     if value.name not in macros:
       return Constant(value.name)
     if value.name in seen:
-      raise ValueError(f"Macro {value.name} refers to itself through {' -> '.join(seen)}.")
+      raise UserError(f"Macro {value.name} refers to itself through {' -> '.join(seen)}.")
     return _resolve(macros[value.name], macros, seen + (value.name,))
   if isinstance(value, (tuple, list)):
     return type(value)(_resolve(v, macros, seen) for v in value)
@@ -233,9 +234,9 @@ def parse(text: str, path: str) -> OperativeConfig:
     key, equals, value_text = statement.partition("=")
     match = _KEY.fullmatch(key.strip())
     if not equals or not match:
-      raise ValueError(f"{where}: '{statement[:80]}' is not a binding t5lite-import reads "
-                       "(NAME = value or [scope/]module.Class.param = value); fix config.gin or "
-                       "move it away to import the model alone.")
+      raise UserError(f"{where}: '{statement[:80]}' is not a binding t5lite-import reads "
+                      "(NAME = value or [scope/]module.Class.param = value); fix config.gin or "
+                      "move it away to import the model alone.")
     scope, name = match.group(1).rstrip("/"), match.group(2)
     value = _value(value_text.strip(), where)
     if "." not in name:

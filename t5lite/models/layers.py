@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5lite import axis_names as ax
+from t5lite.errors import UserError
 
 Array = jax.Array
 DType = Any
@@ -592,8 +593,8 @@ class MultiHeadDotProductAttention(nn.Module):
     if cache is not None:
       key, value = self._use_cache(key, value, cache)
     if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"attention_impl {self.attention_impl!r} is not one of "
-                       f"{ATTENTION_IMPLS}.")
+      raise UserError(f"attention_impl {self.attention_impl!r} is not one of "
+                      f"{ATTENTION_IMPLS}.")
     attention_dropout = not deterministic and self.dropout_rate > 0
     # 'dot_product_attention' takes cuDNN's kernels where they apply. Where
     # jax.nn.dot_product_attention would run its XLA implementation, the
@@ -850,16 +851,16 @@ def validate_mlp_activations(activations: Sequence[str], owner: str) -> tuple[st
   """
   allowed = tuple(MLP_ACTIVATIONS)
   if isinstance(activations, str):
-    raise ValueError(f"{owner} must be a sequence of activation names such as "
-                     f"({activations!r},), got the string {activations!r}.")
+    raise UserError(f"{owner} must be a sequence of activation names such as "
+                    f"({activations!r},), got the string {activations!r}.")
   activations = tuple(activations)
   if not activations:
-    raise ValueError(f"{owner} is empty; give one or more activation names from {allowed}, "
-                     "e.g. ('relu',) or ('gelu', 'linear').")
+    raise UserError(f"{owner} is empty; give one or more activation names from {allowed}, "
+                    "e.g. ('relu',) or ('gelu', 'linear').")
   unknown = [name for name in activations if name not in MLP_ACTIVATIONS]
   if unknown:
-    raise ValueError(f"{owner}={activations!r} has unknown activation name(s) {unknown}; "
-                     f"allowed names are {allowed}.")
+    raise UserError(f"{owner}={activations!r} has unknown activation name(s) {unknown}; "
+                    f"allowed names are {allowed}.")
   return activations
 
 
@@ -887,7 +888,6 @@ def activate_and_multiply(projections: Sequence[Array], activations: Sequence[st
     activated = MLP_ACTIVATIONS[name](projection)
     hidden = activated if hidden is None else hidden * activated
   return hidden
-
 
 
 _GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)

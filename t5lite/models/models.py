@@ -27,6 +27,7 @@ import numpy as np
 import seqio
 
 from t5lite import decoding
+from t5lite.errors import UserError
 from t5lite.models import layers
 from t5lite.models import moe
 from t5lite.models import transformer
@@ -123,8 +124,8 @@ def check_loss_normalizing_factor(value: Any) -> float | str | None:
     return value.upper()
   if not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0:
     return float(value)
-  raise ValueError(f"loss_normalizing_factor={value!r} must be None (sum the loss, as T5X), "
-                   f"a positive number, or one of {', '.join(repr(n) for n in _SPECIAL_FACTORS)}.")
+  raise UserError(f"loss_normalizing_factor={value!r} must be None (sum the loss, as T5X), "
+                  f"a positive number, or one of {', '.join(repr(n) for n in _SPECIAL_FACTORS)}.")
 
 
 def _per_sequence_weight_sums(weights: Array, segment_ids: Array | None) -> Array:
@@ -288,16 +289,16 @@ class BaseModel(abc.ABC):
     for name, value in (("z_loss", z_loss), ("aux_loss_factor", aux_loss_factor),
                         ("router_z_loss_factor", router_z_loss_factor)):
       if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}.")
+        raise UserError(f"{name} must be >= 0, got {value}.")
     if not 0.0 <= label_smoothing < 1.0:
-      raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
+      raise UserError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
     loss_normalizing_factor = check_loss_normalizing_factor(loss_normalizing_factor)
     if max_decode_length is not None and max_decode_length < 1:
-      raise ValueError(f"max_decode_length must be >= 1 or None (the length of the batch's "
-                       f"decoder_input_tokens), got {max_decode_length}.")
+      raise UserError(f"max_decode_length must be >= 1 or None (the length of the batch's "
+                      f"decoder_input_tokens), got {max_decode_length}.")
     if decode_fn is not None and not callable(decode_fn):
-      raise ValueError(f"decode_fn must be a function such as decoding.beam_search, got "
-                       f"{decode_fn!r}; in gin, reference it as @decoding.beam_search.")
+      raise UserError(f"decode_fn must be a function such as decoding.beam_search, got "
+                      f"{decode_fn!r}; in gin, reference it as @decoding.beam_search.")
     self.module = module
     self.input_vocabulary = input_vocabulary
     self.output_vocabulary = output_vocabulary
@@ -338,14 +339,14 @@ class BaseModel(abc.ABC):
     model_vocab = self.output_vocabulary
     if (type(targets_vocabulary) is not type(model_vocab)
         or targets_vocabulary.vocab_size != model_vocab.vocab_size):
-      raise ValueError(
+      raise UserError(
           f"Task '{task}' uses {type(targets_vocabulary).__name__} with "
           f"{targets_vocabulary.vocab_size} tokens but the model was configured with "
           f"{type(model_vocab).__name__} with {model_vocab.vocab_size}; set the model's "
           "vocabulary (VOCABULARY) to the task's.")
     embed = getattr(getattr(self.module, "config", None), "vocab_size", None)
     if embed is not None and embed < targets_vocabulary.vocab_size:
-      raise ValueError(
+      raise UserError(
           f"Model vocab_size {embed} is smaller than the task vocabulary "
           f"({targets_vocabulary.vocab_size}); raise the model's vocab_size.")
 
@@ -470,7 +471,7 @@ class BaseModel(abc.ABC):
     config = getattr(self.module, "config", None)
     group_size = getattr(config, "group_size", None) if getattr(config, "num_experts", 0) else None
     if (num_microbatches or 1) > 1 and group_size is not None:
-      raise ValueError(
+      raise UserError(
           f"MoE group_size={group_size} cannot be used with num_microbatches="
           f"{num_microbatches}: microbatch i takes examples i, i + {num_microbatches}, "
           f"i + {2 * num_microbatches}, ..., so routing groups that span examples would "
@@ -657,8 +658,8 @@ class BaseModel(abc.ABC):
     if self.max_decode_length is not None:
       return self.max_decode_length
     if "decoder_input_tokens" not in batch:
-      raise ValueError("Decoding needs max_decode_length or a 'decoder_input_tokens' feature "
-                       f"to take the length from; the batch has {sorted(batch)}.")
+      raise UserError("Decoding needs max_decode_length or a 'decoder_input_tokens' feature "
+                      f"to take the length from; the batch has {sorted(batch)}.")
     return batch["decoder_input_tokens"].shape[-1]
 
   @abc.abstractmethod
@@ -732,9 +733,9 @@ class EncoderDecoderModel(BaseModel):
   def _decode_start(self, params: Params, batch: Batch, length: int,
                     use_cache: bool) -> DecodeStart:
     if "encoder_input_tokens" not in batch:
-      raise ValueError("EncoderDecoderModel decodes from 'encoder_input_tokens', which the "
-                       f"batch lacks (it has {sorted(batch)}); build it with "
-                       "seqio.EncDecFeatureConverter.")
+      raise UserError("EncoderDecoderModel decodes from 'encoder_input_tokens', which the "
+                      f"batch lacks (it has {sorted(batch)}); build it with "
+                      "seqio.EncDecFeatureConverter.")
     encoder_tokens = jnp.asarray(batch["encoder_input_tokens"], jnp.int32)
     n = encoder_tokens.shape[0]
     bos = jnp.zeros((n,), jnp.int32)
@@ -841,7 +842,7 @@ class DecoderOnlyModel(BaseModel):
     """The PrefixLM prompt: tokens `[n, L]` zeroed after the prompt, and its
     int32 length `[n]` (at least 1: an empty prompt is BOS alone)."""
     if "decoder_causal_attention" not in batch or "decoder_input_tokens" not in batch:
-      raise ValueError(
+      raise UserError(
           "DecoderOnlyModel decodes from the PrefixLM layout ('decoder_input_tokens' and "
           f"'decoder_causal_attention'); the batch has {sorted(batch)}. Build it with "
           "INFERENCE_FEATURE_CONVERTER_CLS (seqio.PrefixLMFeatureConverter).")

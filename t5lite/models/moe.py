@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from t5lite import axis_names as ax
+from t5lite.errors import UserError
 from t5lite.models import layers
 
 Array = jax.Array
@@ -97,17 +98,17 @@ def validate_expert_partitioning(num_experts: int, expert_axis_size: int) -> Non
       devices, or an expert count the axis size does not divide.
   """
   if num_experts < 1 or expert_axis_size < 1:
-    raise ValueError(f"num_experts ({num_experts}) and the expert mesh axis size "
-                     f"({expert_axis_size}) must both be >= 1.")
+    raise UserError(f"num_experts ({num_experts}) and the expert mesh axis size "
+                    f"({expert_axis_size}) must both be >= 1.")
   divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
   if num_experts < expert_axis_size:
-    raise ValueError(
+    raise UserError(
         f"num_experts={num_experts} is fewer than the expert mesh axis of size "
         f"{expert_axis_size}; experts are never split across devices. Use an expert axis "
         f"size that divides {num_experts} ({divisors}) and put the remaining devices on "
         "the 'data' axis, where experts are replicated.")
   if num_experts % expert_axis_size:
-    raise ValueError(
+    raise UserError(
         f"num_experts={num_experts} does not divide evenly over the expert mesh axis of "
         f"size {expert_axis_size}; use a multiple of {expert_axis_size} experts or an "
         f"expert axis size in {divisors} (with the remaining devices on 'data').")
@@ -116,9 +117,9 @@ def validate_expert_partitioning(num_experts: int, expert_axis_size: int) -> Non
 def validate_load_balancing_choices(choices: str, owner: str) -> None:
   """Raises a ValueError naming `owner` unless `choices` is 'all' or 'first'."""
   if choices not in LOAD_BALANCING_CHOICES:
-    raise ValueError(f"{owner}.load_balancing_choices={choices!r} is not supported; use "
-                     "'all' (every chosen expert, as T5X and MaxText) or 'first' (each "
-                     "token's first choice, as GShard).")
+    raise UserError(f"{owner}.load_balancing_choices={choices!r} is not supported; use "
+                    "'all' (every chosen expert, as T5X and MaxText) or 'first' (each "
+                    "token's first choice, as GShard).")
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, num_selected_experts: int,
@@ -450,18 +451,18 @@ class MoeLayer(nn.Module):
 
   def _validate(self) -> None:
     if self.num_experts < 1:
-      raise ValueError(f"MoeLayer.num_experts must be >= 1, got {self.num_experts}.")
+      raise UserError(f"MoeLayer.num_experts must be >= 1, got {self.num_experts}.")
     if not 1 <= self.num_selected_experts <= self.num_experts:
-      raise ValueError(
+      raise UserError(
           f"MoeLayer.num_selected_experts must be in [1, num_experts={self.num_experts}], "
           f"got {self.num_selected_experts}.")
     for name in ("group_size", "expert_capacity"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
-        raise ValueError(f"MoeLayer.{name} must be >= 1 or None, got {getattr(self, name)}.")
+        raise UserError(f"MoeLayer.{name} must be >= 1 or None, got {getattr(self, name)}.")
     layers.validate_mlp_activations(self.activations, "MoeLayer.activations")
     validate_load_balancing_choices(self.load_balancing_choices, "MoeLayer")
     if not 0.0 <= self.router_jitter_noise < 1.0:
-      raise ValueError("MoeLayer.router_jitter_noise must be in [0, 1), got "
+      raise UserError("MoeLayer.router_jitter_noise must be in [0, 1), got "
                        f"{self.router_jitter_noise}.")
 
   @nn.compact

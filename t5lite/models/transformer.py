@@ -75,6 +75,7 @@ import jax
 import jax.numpy as jnp
 
 from t5lite import axis_names as ax
+from t5lite.errors import UserError
 from t5lite.models import layers
 from t5lite.models import moe
 
@@ -199,54 +200,54 @@ class TransformerConfig:
                 "relative_attention_max_distance")
     for name in positive:
       if getattr(self, name) < 1:
-        raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        raise UserError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
     if self.num_encoder_layers < 0:
-      raise ValueError(
+      raise UserError(
           f"TransformerConfig.num_encoder_layers must be >= 0, got {self.num_encoder_layers}.")
     if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(
+      raise UserError(
           f"TransformerConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}.")
     # Frozen, so set through object; a tuple keeps the config hashable.
     object.__setattr__(self, "mlp_activations", layers.validate_mlp_activations(
         self.mlp_activations, "TransformerConfig.mlp_activations"))
     if self.dtype not in _DTYPES:
-      raise ValueError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
-                       f"use one of {_DTYPES}.")
+      raise UserError(f"TransformerConfig.dtype {self.dtype!r} is not supported; "
+                      f"use one of {_DTYPES}.")
     if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"TransformerConfig.remat_policy {self.remat_policy!r} is not "
-                       f"supported; use one of {REMAT_POLICIES}.")
+      raise UserError(f"TransformerConfig.remat_policy {self.remat_policy!r} is not "
+                      f"supported; use one of {REMAT_POLICIES}.")
     if self.attention_impl not in layers.ATTENTION_IMPLS:
-      raise ValueError(f"TransformerConfig.attention_impl {self.attention_impl!r} is not "
-                       f"supported; use one of {layers.ATTENTION_IMPLS}.")
+      raise UserError(f"TransformerConfig.attention_impl {self.attention_impl!r} is not "
+                      f"supported; use one of {layers.ATTENTION_IMPLS}.")
     if self.num_experts < 0:
-      raise ValueError("TransformerConfig.num_experts must be >= 0 (0 is dense), got "
-                       f"{self.num_experts}.")
+      raise UserError("TransformerConfig.num_experts must be >= 0 (0 is dense), got "
+                      f"{self.num_experts}.")
     if self.num_experts:
       self._validate_moe()
 
   def _validate_moe(self) -> None:
     """Checks the MoE fields; only called for MoE models."""
     if not 1 <= self.num_selected_experts <= self.num_experts:
-      raise ValueError(
+      raise UserError(
           "TransformerConfig.num_selected_experts must be in [1, num_experts="
           f"{self.num_experts}], got {self.num_selected_experts}.")
     at_least_one = ("moe_layer_interval", "min_expert_capacity")
     for name in at_least_one:
       if getattr(self, name) < 1:
-        raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        raise UserError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
     for name in ("group_size", "expert_mlp_dim", "expert_capacity"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
-        raise ValueError(
+        raise UserError(
             f"TransformerConfig.{name} must be >= 1 or None, got {getattr(self, name)}.")
     if not 0.0 <= self.router_jitter_noise < 1.0:
-      raise ValueError("TransformerConfig.router_jitter_noise must be in [0, 1), got "
+      raise UserError("TransformerConfig.router_jitter_noise must be in [0, 1), got "
                        f"{self.router_jitter_noise}.")
     moe.validate_load_balancing_choices(self.load_balancing_choices, "TransformerConfig")
     depths = {"num_encoder_layers": self.num_encoder_layers,
               "num_decoder_layers": self.num_decoder_layers}
     for name, depth in depths.items():
       if self.scan_layers and depth % self.moe_layer_interval:
-        raise ValueError(
+        raise UserError(
             f"scan_layers=True scans blocks of moe_layer_interval={self.moe_layer_interval} "
             f"layers, which must divide {name}={depth}; change one of them or set "
             "scan_layers=False.")
@@ -761,8 +762,8 @@ class EncoderDecoder(nn.Module):
     """
     del decoder_positions
     if (encoder_segment_ids is None) != (decoder_segment_ids is None):
-      raise ValueError("Packed inputs need both encoder_segment_ids and "
-                       "decoder_segment_ids, or neither; got only one.")
+      raise UserError("Packed inputs need both encoder_segment_ids and "
+                      "decoder_segment_ids, or neither; got only one.")
     self_mask = layers.decoder_self_mask(decoder_target_tokens, decoder_segment_ids)
     cross_mask = layers.padding_mask(decoder_target_tokens, encoder_input_tokens)
     if encoder_segment_ids is not None:
