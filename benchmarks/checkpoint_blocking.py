@@ -110,8 +110,9 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--checkpoint_period", type=int, default=10)
   parser.add_argument("--stats", type=int, default=10)
-  parser.add_argument("--output", default=None,
-                      help="JSON path (default: benchmarks/results/checkpoint-blocking-<time>.json)")
+  parser.add_argument(
+      "--output", default=None,
+      help="JSON path (default: benchmarks/results/checkpoint-blocking-<time>.json)")
   args = parser.parse_args()
   gin_files = args.gin_file or ["gin/pretrain_dense.gin"]
   with tempfile.TemporaryDirectory() as model_dir:
@@ -141,7 +142,8 @@ def main() -> None:
   for step, seconds in timer.saves:
     print(f"save at step {step:5d}           {1000 * seconds:9.1f} ms blocked")
   print(f"mean blocked per save        {1000 * mean_blocked:9.1f} ms")
-  print(f"final wait_until_finished    {1000 * result['final_wait_until_finished_seconds']:9.1f} ms")
+  final_wait = result["final_wait_until_finished_seconds"]
+  print(f"final wait_until_finished    {1000 * final_wait:9.1f} ms")
   print(f"mean step time               {1000 * net_step:9.1f} ms "
         f"({1000 * raw_step:.1f} ms with saves inside the timing windows)")
   print(f"blocked per checkpoint / mean step time  "

@@ -179,7 +179,8 @@ def main() -> None:
     print(f"{gin_file}: base {b['median']:.3f} steps/s ({b['min']:.3f} - {b['max']:.3f}), "
           f"head {h['median']:.3f} ({h['min']:.3f} - {h['max']:.3f}): "
           f"x{r['ratio']:.3f} (pair by pair x{r['pair_ratios']['median']:.3f}, "
-          f"{r['pair_ratios']['min']:.3f} - {r['pair_ratios']['max']:.3f}); losses differ by at most "
+          f"{r['pair_ratios']['min']:.3f} - {r['pair_ratios']['max']:.3f}); "
+          "losses differ by at most "
           f"{r['loss_largest_relative_difference']:.2e} (relative); peak host memory "
           f"{_gib(r['peak_host_bytes']['base'])} -> {_gib(r['peak_host_bytes']['head'])} GiB "
           f"(x{r['peak_host_ratio']:.3f})")

@@ -80,8 +80,8 @@ def machine() -> dict[str, Any]:
   model = platform.processor()
   try:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines()
-                  if l.startswith("Model name")), model)
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                  if line.startswith("Model name")), model)
   except OSError:
     pass
   return {"cpu_model": model, "nproc": os.cpu_count(), "devices": str(jax.devices()),
@@ -360,7 +360,8 @@ def _verdict(ok: bool) -> str:
 def report(name: str, r: Mapping[str, Any], peak: Mapping[str, Any]) -> list[str]:
   """The printed lines of one config."""
   target = TARGETS.get(name)
-  lines = [f"{name}: {r['num_params'] / 1e6:.1f}M parameters, {r['flops_per_step'] / 1e9:.1f} GFLOP per step (3 x forward matmuls), "
+  lines = [f"{name}: {r['num_params'] / 1e6:.1f}M parameters, "
+           f"{r['flops_per_step'] / 1e9:.1f} GFLOP per step (3 x forward matmuls), "
            f"{r['tokens_per_batch']} token positions per batch; load average "
            f"{r['load_average_start'][0]:.1f} -> {r['load_average_end'][0]:.1f}"]
   dtype = r["compute_dtype"]
@@ -381,7 +382,8 @@ def report(name: str, r: Mapping[str, Any], peak: Mapping[str, Any]) -> list[str
       f"{100 * r['cpu_overhead']:+.1f} %)   target <= "
       f"{100 * MAX_OVERHEAD:.0f} %: {_verdict(r['framework_overhead'] <= MAX_OVERHEAD)}")
   lines.append(
-      f"  (c) input pipeline   {r['pipeline_ratio']:7.1f} x  ({r['pipeline_tokens_per_second']:,.0f}"
+      f"  (c) input pipeline   {r['pipeline_ratio']:7.1f} x  "
+      f"({r['pipeline_tokens_per_second']:,.0f}"
       f" tokens/s built vs {r['consumed_tokens_per_second']:,.0f} consumed)   target >= "
       f"{MIN_PIPELINE_RATIO:.0f} x: {_verdict(r['pipeline_ratio'] >= MIN_PIPELINE_RATIO)}")
   if "compile_seconds" in r:

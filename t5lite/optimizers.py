@@ -506,7 +506,8 @@ def scale_by_adastar(gradient_ema_decay: float | None = None, gradient_ema_debia
   def init(params):
     moments = jax.tree.map(lambda p: _init_second_moment(
         p, _factored_dims(p.shape, factored, min_dim_size_to_factor)), params)
-    zeros = lambda decay: None if decay is None else jax.tree.map(jnp.zeros_like, params)
+    def zeros(decay):
+      return None if decay is None else jax.tree.map(jnp.zeros_like, params)
     return AdastarState(jnp.zeros([], jnp.int32), zeros(gradient_ema_decay),
                         _pick(moments, params, 0), _pick(moments, params, 1),
                         _pick(moments, params, 2), zeros(update_ema_decay))

@@ -72,8 +72,8 @@ def accumulate_gradients(model: Model, params: Any, batch: Batch, dropout_rng: j
     micro = _microbatch(batch, i, num_microbatches)
     (m_loss, m_sums), m_grads = grad_fn(params, micro, jax.random.fold_in(dropout_rng, i),
                                         normalizer, num_microbatches)
-    add = lambda a, b: a + b
-    return (jax.tree.map(add, grads, m_grads), loss + m_loss, jax.tree.map(add, sums, m_sums))
+    return (jax.tree.map(jnp.add, grads, m_grads), loss + m_loss,
+            jax.tree.map(jnp.add, sums, m_sums))
 
   first = _microbatch(batch, 0, num_microbatches)
   sums_shape = jax.eval_shape(

@@ -63,7 +63,8 @@ def test_failed_checkpoint_write_exits_5_promptly_with_one_line(tmp_path, cause)
   # result handed to a closed event loop.
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1, out.stderr[-3000:]
-  assert lines[0].startswith("t5lite: CheckpointWriteError: Could not write checkpoint step "), lines
+  assert lines[0].startswith(
+      "t5lite: CheckpointWriteError: Could not write checkpoint step "), lines
   assert "then rerun the same command" in lines[0]
   assert time.monotonic() - began < 200
 

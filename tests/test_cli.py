@@ -319,12 +319,13 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
   env_args = dict(XLA_FLAGS=testing.fake_device_flags(8))
   env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args)
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
-                        "--gin_file=gin/partitioning/fsdp_tp.gin", f"--gin.MODEL_DIR='{model_dir}'"],
+                        "--gin_file=gin/partitioning/fsdp_tp.gin",
+                        f"--gin.MODEL_DIR='{model_dir}'"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
   assert "mesh: fsdp 4 x model 2" in out.stdout
   info = (model_dir / "model-info.txt").read_text()
-  wi = next(l for l in info.splitlines() if "encoder/layers_0/mlp/wi_0/kernel" in l)
+  wi = next(line for line in info.splitlines() if "encoder/layers_0/mlp/wi_0/kernel" in line)
   assert "logical ('embed', 'mlp') partition ('fsdp', 'model')" in wi
   assert "Mesh: {'data': 1, 'fsdp': 4, 'expert': 1, 'seq': 1, 'model': 2}" in info
 
@@ -354,8 +355,8 @@ def test_expert_parallel_preset_on_eight_devices(tmp_path):
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
-  wi = next(l for l in (model_dir / "model-info.txt").read_text().splitlines()
-            if "encoder/layers_1/moe/wi_0 " in l)
+  wi = next(line for line in (model_dir / "model-info.txt").read_text().splitlines()
+            if "encoder/layers_1/moe/wi_0 " in line)
   assert "partition ('expert', None, 'model')" in wi
   # 6 experts cannot split over 4 devices: one line, exit 2, nothing written.
   bad = subprocess.run([os.path.join(BIN, "t5lite-train"), *args[:-3],

@@ -165,7 +165,8 @@ def test_mesh_selector_flag_picks_the_partitioners_mesh_rule(tmp_path, clean_gin
   path = tmp_path / "rules.gin"
   path.write_text("from __gin__ import dynamic_registration\n"
                   "from t5lite import partitioning\n"
-                  "partitioning.Partitioner.mesh_rules = [('H100', {'model': 4}), ('.*', {'fsdp': -1})]\n"
+                  "partitioning.Partitioner.mesh_rules = "
+                  "[('H100', {'model': 4}), ('.*', {'fsdp': -1})]\n"
                   "partitioning.Partitioner.mesh_selector = 'from the file'\n")
   cli.parse_gin([str(path)], [], [str(tmp_path)])
   cli.select_mesh("NVIDIA H100 80GB HBM3")  # the flag wins over the file

@@ -268,7 +268,7 @@ def test_a_failed_background_build_is_raised_where_the_data_is_needed(monkeypatc
   data.build_in_background(3)
   assert data.shardings  # declared by the model: no pipeline needed
   with pytest.raises(ValueError, match="cannot build at 3"):
-    data.iterator
+    _ = data.iterator
   # And again: nothing falls back to a pipeline at another position.
   with pytest.raises(ValueError, match="cannot build at 3"):
     next(data)

@@ -51,9 +51,10 @@ def test_gin_file_parses(name):
 @pytest.mark.parametrize("name", [f for f in FILES if f.startswith("gin/runs/")])
 def test_run_files_start_with_required_macros(name):
   text = open(os.path.join(ROOT, name)).read()
-  body = [l for l in text.splitlines() if l and not l.startswith(("#", "from ", "import "))]
+  body = [line for line in text.splitlines()
+          if line and not line.startswith(("#", "from ", "import "))]
   assert body and body[0].endswith("%gin.REQUIRED"), body[:3]
-  required = [l for l in body if l.endswith("%gin.REQUIRED")]
+  required = [line for line in body if line.endswith("%gin.REQUIRED")]
   assert body[:len(required)] == required  # all of them before anything else
 
 

@@ -120,7 +120,8 @@ def assert_bitwise_equal(a, b):
 
 # SIGKILL mid-run and a restart giving bitwise the uninterrupted run, for every
 # shipped headline config in one and in two processes:
-# test_multihost.test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_processes.
+# test_multihost.py, test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_
+# two_processes.
 
 
 def test_half_written_checkpoint_is_never_restored(tmp_path):

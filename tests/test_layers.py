@@ -166,7 +166,8 @@ def test_dense_general_is_one_2d_matmul_with_the_values_and_gradients_of_dot_gen
   module = layers.DenseGeneral(features=features, axis=axis, kernel_axes=names)
   x = _normal(4, shape)
   kernel = nn.unbox(_init(module, x))["params"]["kernel"]
-  weights = _normal(5, jax.eval_shape(lambda: module.apply({"params": {"kernel": kernel}}, x)).shape)
+  out = jax.eval_shape(lambda: module.apply({"params": {"kernel": kernel}}, x))
+  weights = _normal(5, out.shape)
 
   def loss(x, kernel):
     return jnp.sum(module.apply({"params": {"kernel": kernel}}, x) * weights)

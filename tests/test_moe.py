@@ -480,7 +480,7 @@ print('RESULT' + json.dumps(out))
 
 def _result(proc):
   assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+  line = [out for out in proc.stdout.splitlines() if out.startswith("RESULT")][-1]
   return json.loads(line[len("RESULT"):])
 
 
@@ -762,8 +762,13 @@ def test_per_expert_matmul_is_one_batched_matmul_with_the_einsums_values_and_gra
   x = jnp.asarray(rng.normal(size=(4, 3, 5, 6)), jnp.float32)
   kernel = jnp.asarray(rng.normal(size=(4, 6, 8)), jnp.float32)
   weights = jnp.asarray(rng.normal(size=(4, 3, 5, 8)), jnp.float32)
-  loss = lambda x, k: jnp.sum(moe._per_expert_matmul(x, k, jnp.float32) * weights)
-  reference = lambda x, k: jnp.sum(jnp.einsum("egcd,edh->egch", x, k) * weights)
+
+  def loss(x, k):
+    return jnp.sum(moe._per_expert_matmul(x, k, jnp.float32) * weights)
+
+  def reference(x, k):
+    return jnp.sum(jnp.einsum("egcd,edh->egch", x, k) * weights)
+
   ranks = [len(e.invars[0].aval.shape) for e in jax.make_jaxpr(loss)(x, kernel).eqns
            if e.primitive.name == "dot_general"]
   assert ranks == [3]

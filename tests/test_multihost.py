@@ -65,7 +65,8 @@ def _finished(job):
      "--coordinator_address='localhost' must be 'host:port'"),
     (dict(coordinator_address="localhost:99999", process_count=2, process_index=0),
      "must be 'host:port'"),
-    (dict(multiprocess_gpu=True, heartbeat_timeout=0), "--heartbeat_timeout=0 must be a positive number of seconds"),
+    (dict(multiprocess_gpu=True, heartbeat_timeout=0),
+     "--heartbeat_timeout=0 must be a positive number of seconds"),
     (dict(multiprocess_gpu=True, initialization_timeout=-1),
      "--initialization_timeout=-1 must be a positive number of seconds"),
 ])
@@ -189,7 +190,8 @@ def test_each_process_places_its_rows_of_one_global_batch(tmp_path):
   assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
   got = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
   for i, g in enumerate(got):
-    assert (g["process_index"], g["process_count"], g["devices"], g["local_devices"]) == (i, 2, 8, 4)
+    assert (g["process_index"], g["process_count"], g["devices"],
+            g["local_devices"]) == (i, 2, 8, 4)
     assert (g["shard_id"], g["num_shards"]) == (i, 2)
     assert g["placed_from_local_rows"]
   rows0, rows1 = got[0]["local_rows"], got[1]["local_rows"]

@@ -17,8 +17,8 @@ from test_docs import REPO, Sandbox, ci_line, free_port, run_document
 
 
 def make_dry(clone, target):
-  result = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=clone, capture_output=True, text=True,
-                          timeout=120)
+  result = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=clone,
+                          capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   return result.stdout
 

@@ -53,7 +53,7 @@ def _measure(case, tmp_path):
   result = subprocess.run([sys.executable, WORKER, case, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")][-1]
+  line = [out for out in result.stdout.splitlines() if out.startswith("RESULT ")][-1]
   return json.loads(line[len("RESULT "):])
 
 

@@ -98,7 +98,8 @@ def test_train_step_compiles_once(model_and_params):
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
   boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))
-  shardings = p.logical_to_sharding(state_logical_axes(state, nn.get_partition_spec(boxed)["params"]))
+  shardings = p.logical_to_sharding(
+      state_logical_axes(state, nn.get_partition_spec(boxed)["params"]))
   batch_sh = {k: p.batch_sharding(2) for k in _batch()}
   step = t.compile_train_step(shardings, batch_sh)
   # As in train(): the state comes out of a jitted init already placed.

@@ -158,8 +158,9 @@ class TransformerConfig:
       `jax.nn.dot_product_attention` where that selects cuDNN flash attention
       (a GPU, and shapes and dtype that allow it) and with t5lite's own
       einsums and float32 logits elsewhere, which are faster than jax's XLA
-      implementation; 'xla' uses the einsums always. Training with attention dropout (dropout_rate > 0) always uses
-      the einsums, which support it (see `layers.MultiHeadDotProductAttention`).
+      implementation; 'xla' uses the einsums always. Training with attention
+      dropout (dropout_rate > 0) always uses the einsums, which support it
+      (see `layers.MultiHeadDotProductAttention`).
   """
 
   vocab_size: int

@@ -99,7 +99,7 @@ def main():
   params = {n: (rng.standard_normal(shape) * rng.uniform(0.01, 1.0)).astype(np.float32)
             for n, (shape, _) in PARAMS.items()}
   grads = []
-  for step in range(3):
+  for _ in range(3):
     g = {n: (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
          for n, (shape, _) in PARAMS.items()}
     g["router"][0, 0] = 0.0  # an exact zero gradient
