@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -15,17 +15,18 @@ from t5lite import inference
 from t5lite import metrics as metrics_lib
 from t5lite.feeder import TrainData
 
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
-def progress(model: Any, data: TrainData, start: int, end: int,
+
+def progress(model: BaseModel, data: TrainData, start: int, end: int,
              peak_flops_per_device: float | None = None) -> metrics_lib.Progress:
   """Throughput tracking, with model FLOP/s (and MFU where the devices'
   peak in the model's compute dtype is known) when the model can count its
   FLOPs."""
-  count = getattr(model, "train_flops_per_step", None)
-  flops = count(data.global_shapes()) if count else None
-  compute_dtype = getattr(model, "compute_dtype", lambda: None)()
+  flops = model.train_flops_per_step(data.global_shapes())
   peak = metrics_lib.peak_flops_per_second(per_device=peak_flops_per_device,
-                                           compute_dtype=compute_dtype)
+                                           compute_dtype=model.compute_dtype())
   return metrics_lib.Progress(end, start, flops_per_step=flops, peak_flops_per_second=peak)
 
 

@@ -227,7 +227,7 @@ class Trainer:
     dropout_seed: seed of the dropout keys (folded with the step).
   """
 
-  model: Any
+  model: Model
   partitioner: Partitioner
   num_microbatches: int | None = None
   dropout_seed: int = 0
@@ -243,9 +243,7 @@ class Trainer:
           f"Each microbatch ({batch_size} / {n} = {batch_size // n} examples) must split "
           f"over the {self.partitioner.batch_size_divisor()} data-parallel devices; "
           "use fewer microbatches or a larger batch.")
-    check = getattr(self.model, "validate_num_microbatches", None)
-    if check is not None:
-      check(n)
+    self.model.validate_num_microbatches(n)
 
   def compile_train_step(self, state_shardings: Any, batch_shardings: Any) -> Any:
     """Returns `step(state, batch) -> (state, metrics)`, jitted with donated state."""
