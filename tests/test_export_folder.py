@@ -13,10 +13,12 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 
 import pytest
 
+from t5lite.interop import hf_tokenizer
 from t5lite.interop import huggingface
 
 import interop_helpers as h
@@ -24,7 +26,10 @@ from test_cli import BIN, cli_env, run_cli
 
 BYT5 = os.path.join(h.HF, "byt5")
 SOURCE = "/runs/a/checkpoints"
-HF_FILES = ["config.json", "model.safetensors", "t5lite-export.json"]
+# An export without a vocabulary; the CLI's byte vocabulary adds ByT5's
+# tokenizer files.
+HF_FILES = ["config.json", "generation_config.json", "model.safetensors", "t5lite-export.json"]
+BYTE_FILES = sorted(HF_FILES + ["special_tokens_map.json", "tokenizer_config.json"])
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +104,7 @@ def test_export_replaces_an_earlier_export_of_the_same_checkpoint(tmp_path, byt5
   assert sorted(os.listdir(tmp_path)) == ["out"]
   assert sorted(os.listdir(tmp_path / "out")) == HF_FILES
   marker = json.loads((tmp_path / "out" / "t5lite-export.json").read_text())
-  sizes = {name: os.path.getsize(tmp_path / "out" / name) for name in HF_FILES[:2]}
+  sizes = {name: os.path.getsize(tmp_path / "out" / name) for name in HF_FILES[:-1]}
   assert marker == {"checkpoint": SOURCE, "step": 4, "files": sizes}
 
 
@@ -176,7 +181,7 @@ def test_cli_overwrite_replaces_the_folder(tmp_path, byt5_gin):
   result = _export_cli(tmp_path, byt5_gin, "--overwrite")
   assert result.returncode == 0, result.stderr[-3000:]
   assert sorted(os.listdir(tmp_path)) == ["out"]
-  assert sorted(os.listdir(tmp_path / "out")) == HF_FILES
+  assert sorted(os.listdir(tmp_path / "out")) == BYTE_FILES
   exported = huggingface.HuggingFaceFolder(str(tmp_path / "out"))
   assert huggingface.model_config(exported) == huggingface.model_config(
       huggingface.HuggingFaceFolder(BYT5))
@@ -227,3 +232,22 @@ def test_overwrite_is_a_flag_of_export_only(tmp_path):
                            str(tmp_path)), 2)
   assert "--overwrite is a t5lite-export flag" in line
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask,file_mode,folder_mode", [(0o022, 0o644, 0o755),
+                                                         (0o027, 0o640, 0o750)])
+def test_every_exported_file_is_as_readable_as_the_umask_allows(tmp_path, byt5, umask,
+                                                                 file_mode, folder_mode):
+  spiece = os.path.join(h.HF, "t5_v1_0", "spiece.model")
+  vocabulary = hf_tokenizer.Vocabulary(hf_tokenizer.SENTENCEPIECE, 100, spiece)
+  before = os.umask(umask)
+  try:
+    written = _export(byt5, tmp_path / "out", vocabulary=vocabulary)
+  finally:
+    os.umask(before)
+  assert {os.path.basename(w) for w in written} >= {"model.safetensors", "tokenizer.json",
+                                                    "spiece.model"}
+  assert sorted(os.listdir(tmp_path / "out")) == sorted(os.path.basename(w) for w in written)
+  modes = {os.path.basename(w): stat.S_IMODE(os.stat(w).st_mode) for w in written}
+  assert modes == dict.fromkeys(modes, file_mode)
+  assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == folder_mode

@@ -28,6 +28,7 @@ import numpy as np
 from t5lite import tree_paths
 from t5lite.errors import UserError
 from t5lite.interop import gin_file
+from t5lite.interop import hf_tokenizer
 from t5lite.interop import huggingface
 from t5lite.interop import lazy
 from t5lite.interop import t5x
@@ -353,8 +354,9 @@ def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
     output_dir: the folder to write: new, empty, or a previous export of
       `source` (`huggingface.check_export_target`); written whole or not at
       all.
-    vocabulary: the model's input vocabulary; a SentencePiece one is copied
-      as `spiece.model`.
+    vocabulary: the model's input vocabulary: the folder gets its tokenizer
+      files (`hf_tokenizer.files`; a SentencePiece model is also copied as
+      `spiece.model`) and its special ids.
     write: whether this process writes (in a multi-process job, only one
       should; all of them gather).
     source: the checkpoint the parameters come from, recorded in the
@@ -374,6 +376,6 @@ def export_huggingface(params: Any, fields: dict[str, Any], output_dir: str,
           for name, value in tree_paths.leaves_by_name(params).items()}
   if not write:
     return []
-  spiece = getattr(vocabulary, "sentencepiece_model_file", None)
-  return huggingface.export(_unscan(host), fields, output_dir, spiece, source=source,
-                            step=step, overwrite=overwrite)
+  return huggingface.export(_unscan(host), fields, output_dir,
+                            hf_tokenizer.describe(vocabulary), source=source, step=step,
+                            overwrite=overwrite)

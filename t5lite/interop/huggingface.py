@@ -2,7 +2,8 @@
 
 A folder is `config.json` plus `model.safetensors` (or shards listed in
 `model.safetensors.index.json`), and `spiece.model` for SentencePiece
-models. Weights are read with safetensors' numpy API, region by region (see
+models. An export also writes `generation_config.json` and the tokenizer
+files (`hf_tokenizer`), every file readable as the umask allows. Weights are read with safetensors' numpy API, region by region (see
 `lazy`); a `pytorch_model.bin` is a pickle and is never loaded.
 
 One table, `name_pairs`, says which Hugging Face arrays make each t5lite
@@ -25,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from typing import Any
 
 import ml_dtypes
@@ -35,12 +37,14 @@ from safetensors.numpy import save_file
 
 from t5lite import write_errors
 from t5lite.errors import UserError
+from t5lite.interop import hf_tokenizer
 from t5lite.interop import lazy
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-SPIECE = "spiece.model"
+SPIECE = hf_tokenizer.SPIECE
 # Written into every export last: which checkpoint it holds and what files
 # (with their sizes) the export wrote, so a later export of the same
 # checkpoint knows the folder is its own to replace.
@@ -437,9 +441,23 @@ def _switch_config(fields: dict[str, Any], activations: tuple[str, ...]) -> dict
   }
 
 
+def generation_config(ids: hf_tokenizer.SpecialIds) -> dict[str, Any]:
+  """`generation_config.json`: the ids `generate()` starts, pads and stops with.
+
+  Only what t5lite knows; everything else stays at transformers' defaults
+  (greedy, `max_length` 20), as for a model saved without one.
+  """
+  return {"decoder_start_token_id": ids.decoder_start, "eos_token_id": ids.eos,
+          "pad_token_id": ids.pad}
+
+
+def _json(value: dict[str, Any]) -> bytes:
+  return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: str,
-           spiece_model: str | None = None, *, source: str, step: int = 0,
-           overwrite: bool = False) -> list[str]:
+           vocabulary: hf_tokenizer.Vocabulary | None = None, *, source: str,
+           step: int = 0, overwrite: bool = False) -> list[str]:
   """Writes a Hugging Face folder of an unscanned t5lite encoder-decoder.
 
   The folder is written whole or not at all: into a new sibling folder,
@@ -451,21 +469,27 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
     params: t5lite unscanned parameter path -> host array.
     fields: the model's `TransformerConfig` fields.
     output_dir: the folder to write (created); see `check_export_target`.
-    spiece_model: a SentencePiece model to copy as `spiece.model`, or None.
+    vocabulary: the model's vocabulary (`hf_tokenizer.describe`), whose
+      tokenizer files and special ids the folder gets; None: no tokenizer
+      files, and T5's ids (pad and decoder start 0, eos 1).
     source: the checkpoint the parameters come from, recorded in `MARKER`.
     step: its training step, recorded in `MARKER`.
     overwrite: replace whatever folder `output_dir` is.
 
   Returns:
-    The files written, `MARKER` last.
+    The files written, in name order, `MARKER` last.
 
   Raises:
-    UserError: the model has no Hugging Face counterpart, or
-      `check_export_target` refuses the folder; nothing is written then.
+    UserError: the model has no Hugging Face counterpart, its SentencePiece
+      model is unreadable, or `check_export_target` refuses the folder;
+      nothing is written then.
     write_errors.WriteError: a write or rename failed; nothing is left but
       the earlier export, if there was one.
   """
-  config = hf_config(fields)
+  ids = hf_tokenizer.special_ids(vocabulary)
+  generation = generation_config(ids)
+  documents = {CONFIG: _json({**hf_config(fields), **generation}),
+               GENERATION_CONFIG: _json(generation), **hf_tokenizer.files(vocabulary)}
   tensors = {}
   for ours, names, kind in name_pairs(fields, bool(fields.get("num_experts"))):
     for name, value in zip(names, _export_one([np.asarray(params[ours])], kind)):
@@ -478,7 +502,7 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
   try:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     os.mkdir(staging)
-    files = _write_folder(staging, config, tensors, spiece_model, target)
+    files = _write_folder(staging, documents, tensors, target)
     _write_marker(staging, source, step, files)
     _put_in_place(staging, target)
   except write_errors.WriteError:
@@ -553,18 +577,15 @@ def _sibling(target: str, purpose: str) -> str:
   return os.path.join(parent, f".{name}.t5lite-{purpose}-{secrets.token_hex(4)}")
 
 
-def _write_folder(folder: str, config: dict[str, Any], tensors: dict[str, np.ndarray],
-                  spiece_model: str | None, target: str) -> list[str]:
+def _write_folder(folder: str, documents: dict[str, bytes], tensors: dict[str, np.ndarray],
+                  target: str) -> list[str]:
   """Writes the Hugging Face files into `folder`, the staging folder of
-  `target`; returns their names."""
-  with open(os.path.join(folder, CONFIG), "w") as f:
-    json.dump(config, f, indent=2, sort_keys=True)
+  `target`; returns their names, sorted. The small files go first."""
+  for name, data in documents.items():
+    with open(os.path.join(folder, name), "wb") as f:
+      f.write(data)
   _save_tensors(tensors, os.path.join(folder, WEIGHTS), target)
-  if not spiece_model:
-    return [CONFIG, WEIGHTS]
-  with open(spiece_model, "rb") as src, open(os.path.join(folder, SPIECE), "wb") as dst:
-    dst.write(src.read())
-  return [CONFIG, WEIGHTS, SPIECE]
+  return sorted([*documents, WEIGHTS])
 
 
 def _save_tensors(tensors: dict[str, np.ndarray], file: str, target: str) -> None:
@@ -574,6 +595,25 @@ def _save_tensors(tensors: dict[str, np.ndarray], file: str, target: str) -> Non
     # The arrays are contiguous float32, so what fails here is the write (a
     # full disk, a file too large); safetensors names it with its own type.
     raise write_errors.WriteError(f"Writing the {WEIGHTS} of {target} failed: {e}") from e
+  # safetensors writes a private temporary file (0600) and renames it; the
+  # export's files are as readable as any other file the user creates.
+  os.chmod(file, _new_file_mode(os.path.dirname(file)))
+
+
+def _new_file_mode(folder: str) -> int:
+  """The mode a new file gets in `folder`: 0o666 less the umask (and what a
+  default ACL takes away).
+
+  `os.umask` reads the umask only by setting it, which would race with any
+  thread creating a file meanwhile; a file created here shows it instead.
+  """
+  probe = os.path.join(folder, f".t5lite-mode-{secrets.token_hex(4)}")
+  fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  try:
+    return stat.S_IMODE(os.fstat(fd).st_mode)
+  finally:
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _write_marker(folder: str, source: str, step: int, files: list[str]) -> None:
