@@ -454,7 +454,8 @@ REFERENCE = "docs/gin_reference.md"
 # Aliases the shipped gin files import.
 ALIASES = {"train_lib": "t5lite.train", "checkpoints": "t5lite.checkpoints",
            "partitioning": "t5lite.partitioning", "trainer": "t5lite.trainer",
-           "datasets": "t5lite.data.datasets", "vocabularies": "t5lite.data.vocabularies",
+           "datasets": "t5lite.data.datasets", "file_tasks": "t5lite.data.file_tasks",
+           "vocabularies": "t5lite.data.vocabularies",
            "models": "t5lite.models.models", "transformer": "t5lite.models.transformer",
            "optimizers": "t5lite.optimizers", "decoding": "t5lite.decoding",
            "actions": "t5lite.actions", "evaluate": "t5lite.evaluate"}
