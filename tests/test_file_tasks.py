@@ -83,6 +83,22 @@ def test_globs_formats_and_a_targets_only_task(tmp_path):
   assert [e["targets_pretokenized"] for e in _examples(name)] == [b"first", b"second"]
 
 
+def test_training_reads_every_example_once_an_epoch_in_shuffled_order(tmp_path):
+  words = [f"w{i:02d}" for i in range(40)]  # sorted, as files often are
+  path = _write(tmp_path / "sorted.tsv", ["inputs\ttargets", *(f"{w}\t{w}" for w in words)])
+  file_tasks.register_file_task("ft_shuffle", {"train": path})
+  task = seqio.get_mixture_or_task("ft_shuffle")
+
+  def epoch(seed):
+    ds = task.get_dataset(LENGTHS, split="train", shuffle=True, seed=seed, num_epochs=1,
+                          use_cached=False, shuffle_buffer_size=1)  # only the source shuffles
+    return [e["targets_pretokenized"].decode() for e in ds.as_numpy_iterator()]
+
+  first = epoch(seed=1)
+  assert sorted(first) == words and first != words
+  assert epoch(seed=1) == first and epoch(seed=2) != first
+
+
 def test_declaring_again_reuses_until_a_file_changes(qa_files, monkeypatch):
   args = dict(name="ft_again", splits=qa_files, inputs_field="question", targets_field="answer")
   file_tasks.register_file_task(**args)

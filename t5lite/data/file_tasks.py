@@ -161,7 +161,7 @@ def _check_metrics(metrics: object) -> tuple[str, ...]:
                     f"{', '.join(available)}.")
   for name in metrics:
     if name not in available:
-      needs = _METRICS[name][0] if name in _METRICS else None
+      needs = _METRICS[name][0] if isinstance(name, str) and name in _METRICS else None
       why = f"needs the {needs} package, which is not installed" if needs else "is unknown"
       raise UserError(f"Metric {name!r} {why}; available: {', '.join(available)}.")
   return tuple(metrics)
@@ -308,40 +308,40 @@ def _clean(spec: FileTaskSpec, values: tuple[str, ...]) -> tuple[str, ...]:
   return values
 
 
-def _read_split(spec: FileTaskSpec, split: str, paths: list[str]) -> dict[str, np.ndarray]:
-  """feature -> one UTF-8 `bytes` value per example of the split's files, in file order."""
+def _read_split(spec: FileTaskSpec, split: str, paths: list[str]) -> dict[str, tf.Tensor]:
+  """feature -> a [examples] string tensor of the split's files, in file order."""
   rows = [_clean(spec, values) for path in paths
           for values in _READERS[_file_format(path, spec.format)](path, spec.fields)]
   if not rows:
     raise UserError(f"Split '{split}' of task '{spec.name}' has no examples (files: "
                     f"{', '.join(paths)}); add lines to them.")
-  columns = zip(*rows)
-  return {feature: np.array([value.encode("utf-8") for value in column], dtype=object)
-          for feature, column in zip(spec.features, columns)}
+  return {feature: tf.constant(list(column), dtype=tf.string)
+          for feature, column in zip(spec.features, zip(*rows))}
 
 
 # ---------------------------------------------------------------------------
 # Registering
 
 
-def _source(examples: Mapping[str, Mapping[str, np.ndarray]]) -> seqio.DataSource:
+def _source(examples: Mapping[str, Mapping[str, tf.Tensor]]) -> seqio.DataSource:
   """A seqio source over the examples in memory, one split each."""
+  sizes = {split: int(next(iter(columns.values())).shape[0])
+           for split, columns in examples.items()}
 
   def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
-    ds = tf.data.Dataset.from_tensor_slices(dict(examples[split]))
+    columns, size = examples[split], sizes[split]
+    order = tf.data.Dataset.range(size)
     if shuffle_files and seed is not None:
-      # Files are often sorted; the whole split is shuffled every epoch.
-      size = len(next(iter(examples[split].values())))
-      ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
-    return ds
+      # Files are often sorted, so the whole split is reshuffled every epoch.
+      # Shuffling positions keeps the buffer (and a saved data iterator) small.
+      order = order.shuffle(size, seed=seed, reshuffle_each_iteration=True)
+    return order.map(lambda i: {feature: tf.gather(column, i)
+                                for feature, column in columns.items()})
 
-  return seqio.FunctionDataSource(
-      dataset_fn, splits=list(examples),
-      num_input_examples={split: len(next(iter(columns.values())))
-                          for split, columns in examples.items()})
+  return seqio.FunctionDataSource(dataset_fn, splits=list(examples), num_input_examples=sizes)
 
 
-def _add_task(spec: FileTaskSpec, examples: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+def _add_task(spec: FileTaskSpec, examples: Mapping[str, Mapping[str, tf.Tensor]]) -> None:
   seqio.TaskRegistry.remove(spec.name)
   seqio.TaskRegistry.add(
       spec.name,
