@@ -12,10 +12,11 @@ its own data without a Python module.
   must be strings.
 
 Blank lines are skipped. Every file is read and checked when the task is
-declared, before anything is compiled or written, and its examples are kept
-in memory: a missing file, a line that does not parse or a missing field
-stops the run with one line naming the file and the line (numbered from 1,
-as an editor numbers them).
+declared, before anything is compiled or written: a missing file, a line
+that does not parse or a missing field stops the run with one line naming
+the file and the line (numbered from 1, as an editor numbers them). The
+examples are then kept in memory (and in every saved data iterator, with
+`save_dataset`).
 """
 
 from __future__ import annotations
