@@ -166,6 +166,8 @@ def test_missing_files_and_bad_arguments(tmp_path):
     file_tasks.register_file_task("ft_args", {"train": "x"}, format="csv")
   with pytest.raises(ValueError, match=r"inputs_field and targets_field are both 'x'"):
     file_tasks.register_file_task("ft_args", {"train": "x"}, inputs_field="x", targets_field="x")
+  with pytest.raises(ValueError, match=r"vocabulary must be a seqio vocabulary such as %VOCAB"):
+    file_tasks.register_file_task("ft_args", {"train": "x"}, vocabulary="bytes")
   with pytest.raises(ValueError, match=r"^Metric 'accuracy' is unknown; available: exact_match"):
     file_tasks.register_file_task("ft_args", {"train": "x"}, metrics=("accuracy",))
 

@@ -182,6 +182,9 @@ def _spec(name: object, splits: object, inputs_field: object, targets_field: obj
     raise UserError(f"strip must be True or False, got {strip!r}.")
   if not isinstance(inputs_prefix, str):
     raise UserError(f"inputs_prefix must be a string, got {inputs_prefix!r}.")
+  if vocabulary is not None and not isinstance(vocabulary, seqio.Vocabulary):
+    raise UserError(f"vocabulary must be a seqio vocabulary such as %VOCABULARY (the model's), "
+                    f"got {vocabulary!r}.")
   if inputs_prefix and inputs_field is None:
     raise UserError("inputs_prefix needs an inputs_field; a task without one has targets only.")
   return FileTaskSpec(
