@@ -84,6 +84,7 @@ BINDINGS_HEADER = (
     "from t5lite import train as train_lib",
     "from t5lite import trainer",
     "from t5lite.data import datasets",
+    "from t5lite.data import file_tasks",
     "from t5lite.data import vocabularies",
     "from t5lite.models import models",
     "from t5lite.models import transformer",

@@ -4,7 +4,7 @@ Each document runs in its own sandbox: a directory whose entries link to the
 checkout's top level (so `gin/`, `.venv/`, `Makefile`, `t5lite/` resolve as
 in the repository root) and where everything the commands write lands.
 Fenced ```sh blocks run in order, each as one bash script with `set -e`;
-a ```python file=NAME block is written to NAME first. A command is
+a ```python file=NAME (or ```gin file=NAME) block is written to NAME first. A command is
 rewritten to CI size by the rule for its program in RULES; a program with
 no rule fails the test, so a new document or command is never silently
 skipped. Commands that need a cluster or GPUs are listed in CLUSTER_ONLY
@@ -196,7 +196,7 @@ def _shrink_t5lite(tokens: list[str], box: Sandbox) -> list[str]:
     return out  # checks the documented config itself; nothing runs
   # An imported checkpoint fixes the model's sizes, so the tiny overlay
   # cannot shrink it; the documented commands use the small committed ones.
-  imported = program == "t5lite-export" or any(_imported_model(t) for t in out)
+  imported = program == "t5lite-export" or any(_imported_model(t, box) for t in out)
   out += [] if OVERLAY in out or imported else [OVERLAY]
   out += list(CI_BINDINGS) if program == "t5lite-train" else []
   if program == "t5lite-train" and imported:
@@ -210,9 +210,13 @@ def _shrink_t5lite(tokens: list[str], box: Sandbox) -> list[str]:
   return out
 
 
-def _imported_model(token: str) -> bool:
-  """Whether a flag names a gin file `t5lite-import` wrote (outside gin/)."""
-  return token.startswith("--gin_file=") and not token.split("=", 1)[1].startswith("gin/")
+def _imported_model(token: str, box: Sandbox) -> bool:
+  """Whether a flag names a gin file `t5lite-import` wrote: outside gin/ and
+  fixing the model's sizes (a task file a document writes does not)."""
+  if not token.startswith("--gin_file=") or token.split("=", 1)[1].startswith("gin/"):
+    return False
+  path = os.path.join(box.root, token.split("=", 1)[1])
+  return not os.path.isfile(path) or "TransformerConfig" in open(path, encoding="utf-8").read()
 
 
 def _make(tokens: list[str], box: Sandbox) -> list[str]:
@@ -378,7 +382,7 @@ def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
                                    os.environ.get("PATH", "")]), **env_vars)
   log = []
   for block in fenced_blocks(doc, box.root):
-    file_name = re.fullmatch(r"python\s+file=(\S+)", block.info)
+    file_name = re.fullmatch(r"(?:python|gin)\s+file=(\S+)", block.info)
     if file_name:
       with open(os.path.join(box.root, file_name.group(1)), "w", encoding="utf-8") as f:
         f.write(block.text)
@@ -454,7 +458,8 @@ REFERENCE = "docs/gin_reference.md"
 # Aliases the shipped gin files import.
 ALIASES = {"train_lib": "t5lite.train", "checkpoints": "t5lite.checkpoints",
            "partitioning": "t5lite.partitioning", "trainer": "t5lite.trainer",
-           "datasets": "t5lite.data.datasets", "vocabularies": "t5lite.data.vocabularies",
+           "datasets": "t5lite.data.datasets", "file_tasks": "t5lite.data.file_tasks",
+           "vocabularies": "t5lite.data.vocabularies",
            "models": "t5lite.models.models", "transformer": "t5lite.models.transformer",
            "optimizers": "t5lite.optimizers", "decoding": "t5lite.decoding",
            "actions": "t5lite.actions", "evaluate": "t5lite.evaluate"}

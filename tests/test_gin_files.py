@@ -21,9 +21,9 @@ BASE_FOR = {"gin/testing/local_tiny.gin": ["gin/pretrain_dense.gin"],
             **{f"gin/partitioning/{n}.gin": ["gin/pretrain_dense.gin"]
                for n in ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")},
             "gin/partitioning/expert_parallel.gin": ["gin/pretrain_moe.gin"],
-            # Learner recipes and mixtures replace a headline's optimizer or task.
+            # Learner recipes, mixtures and tasks replace a headline's optimizer or task.
             **{f: ["gin/pretrain_dense.gin"] for f in FILES
-               if f.startswith(("gin/learners/", "gin/mixtures/"))}}
+               if f.startswith(("gin/learners/", "gin/mixtures/", "gin/tasks/"))}}
 
 
 # Every test here parses gin files: each starts and ends with a clean config.
