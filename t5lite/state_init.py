@@ -98,21 +98,21 @@ def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | N
     return Start("resume", max(plan.candidates), plan)
   if restore_cfg is None or not restore_cfg.path:
     return Start("fresh", 0, plan)
-  foreign = interop.checkpoint_format(restore_cfg.path)
-  if foreign and restore_cfg.assignment_map:
-    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, whose names t5lite maps "
-                     "itself: remove RestoreCheckpointConfig.assignment_map.")
-  if foreign == interop.T5X and not restore_cfg.params_only:
-    return Start("import_state", interop.checkpoint_step(restore_cfg.path), plan)
-  if foreign and not restore_cfg.params_only:
-    raise ValueError(f"{restore_cfg.path} is a {foreign} checkpoint, which holds parameters "
-                     "only: set RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin "
-                     "does).")
-  if foreign:
+  opened = ckpt_lib.open_checkpoint(restore_cfg.path, restore_cfg.mode)
+  if opened.foreign and restore_cfg.assignment_map:
+    raise ValueError(f"{restore_cfg.path} is a {opened.kind} checkpoint, whose names t5lite "
+                     "maps itself: remove RestoreCheckpointConfig.assignment_map.")
+  if opened.kind == interop.T5X and not restore_cfg.params_only:
+    return Start("import_state", opened.step, plan)
+  if opened.foreign and not restore_cfg.params_only:
+    raise ValueError(f"{restore_cfg.path} is a {opened.kind} checkpoint, which holds "
+                     "parameters only: set RestoreCheckpointConfig.params_only = True "
+                     "(gin/runs/finetune.gin does).")
+  if opened.foreign:
     return Start("import", 0, plan)
   if restore_cfg.params_only:
     return Start("params", 0, plan)
-  return Start("restore", ckpt_lib.resolve_restore_path(restore_cfg)[1], plan)
+  return Start("restore", opened.step, plan)
 
 
 def data_position(start: Start, model_dir: str) -> int:
