@@ -131,9 +131,8 @@ def data_position(start: Start, model_dir: str) -> int:
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
-                    seed: int, data: TrainData | None = None,
-                    resume_step: int | None = None,
-                    start: Start | None = None) -> tuple[TrainState, int]:
+                    seed: int, start: Start, data: TrainData | None = None
+                    ) -> tuple[TrainState, int]:
   """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
 
   The data continues where the restored step left it: from the saved
@@ -143,19 +142,19 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   the parameters the checkpoint provides and starts at step 0; the latest
   checkpoint in model_dir still wins over it, so a restarted fine-tune
   resumes its own full state. Unreadable newer steps, and with
-  `resume_step` the steps after it, are moved out of the way (never
+  `train.resume_step` the steps after it, are moved out of the way (never
   deleted) once a step has restored.
 
-  `start` is `find_start`'s decision when the caller already made it
-  (training does, to build the data at its position meanwhile).
+  `start` is `find_start`'s decision, made by the caller (training makes
+  it first, to build the data at its position meanwhile) from `restore_cfg`.
 
   Returns:
     (state, step it starts from).
 
   Raises:
-    ValueError: the explicit restore path does not fit the model, no step of
-      model_dir can be read, or `resume_step` is not one of its steps
-      (checked before anything is written to model_dir).
+    ValueError: the explicit restore path does not fit the model, or no step
+      of model_dir can be read (checked before anything is written to
+      model_dir).
   """
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
@@ -163,7 +162,6 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   # split over the devices, never whole on one.
   init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings,
                                program=("init",), like=specs.abstract)
-  start = start or find_start(checkpointer.model_dir, restore_cfg, resume_step)
   unfinished = [s for s in checkpointer.unfinished_steps()
                 if start.kind != "resume" or s > start.step]
   if unfinished:
@@ -294,6 +292,12 @@ def param_rows(specs: StateSpecs, partitioner: Partitioner) -> list[ParamRow]:
           for (path, leaf), spec in zip(flat, logical)]
 
 
+def param_count(specs: StateSpecs) -> int:
+  """The model's parameter count, as model-info.txt, the run's banner and the
+  dry run all give it."""
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(specs.abstract.params))
+
+
 def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:
   """One line per parameter (`param_rows`): name, size, shape, logical axes,
   mesh partition spec; then the totals and the mesh."""
@@ -301,7 +305,7 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
   lines = [f"Variable {row.name:60s} size {row.size:<12d} shape {str(row.shape):22s} "
            f"logical {row.logical} partition {row.mesh}" for row in rows]
   opt_total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(specs.abstract.opt_state))
-  lines.append(f"Total number of parameters: {sum(row.size for row in rows)}")
+  lines.append(f"Total number of parameters: {param_count(specs)}")
   lines.append(f"Total number of optimizer-state values: {opt_total}")
   lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
   # Through a temporary file, so an interrupted write leaves the old one whole.
