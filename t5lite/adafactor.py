@@ -317,19 +317,33 @@ def scale_by_t5x_adafactor(learning_rate: jax.Array | float, plans: Any, names: 
     weight_decay = hp.weight_decay_rate
     if hp.weight_decay_rate_lr_exponent:
       weight_decay = (weight_decay or 1.0) * learning_rate ** hp.weight_decay_rate_lr_exponent
-    out = [_param_update(g, *slots, plan, name, decay, learning_rate, weight_decay, hp)
-           for g, *slots, plan, name in zip(grads, *leaves, _leaves(plans),
-                                            jax.tree.leaves(names))]
+    rates = _StepRates(decay, learning_rate, weight_decay)
+    out = [_param_update(g, param, tuple(slots), plan, name, rates, hp)
+           for g, param, *slots, plan, name in zip(grads, *leaves, _leaves(plans),
+                                                   jax.tree.leaves(names))]
     tree = lambda i: jax.tree.unflatten(treedef, [o[i] for o in out])  # noqa: E731
     return tree(0), AdafactorState(state.count + 1, tree(1), tree(2), tree(3), tree(4))
 
   return optax.GradientTransformation(init, update)
 
 
-def _param_update(g, param, v_row, v_col, v, m, plan: Factoring, name: str, decay,
-                  learning_rate, weight_decay, hp: Hyperparams) -> tuple:
-  """One parameter's (update, v_row, v_col, v, m), as T5X's apply_param_gradient."""
-  update_scale = learning_rate
+@dataclasses.dataclass(frozen=True)
+class _StepRates:
+  """What one step applies to every parameter: the second-moment decay, the
+  learning rate and the weight decay (None for none)."""
+
+  decay: Any
+  learning_rate: Any
+  weight_decay: Any
+
+
+def _param_update(g, param, slots: tuple, plan: Factoring, name: str, rates: _StepRates,
+                  hp: Hyperparams) -> tuple:
+  """One parameter's (update, v_row, v_col, v, m) from its slots (v_row,
+  v_col, v, m), as T5X's apply_param_gradient."""
+  v_row, v_col, v, m = slots
+  decay, weight_decay = rates.decay, rates.weight_decay
+  update_scale = rates.learning_rate
   by_scale = hp.multiply_by_parameter_scale
   if callable(by_scale):
     by_scale = by_scale(name)

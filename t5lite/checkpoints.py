@@ -24,6 +24,7 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 
+from t5lite import interop
 from t5lite import tree_paths
 from t5lite import write_errors
 from t5lite.errors import UserError
@@ -602,26 +603,72 @@ class Checkpointer:
       self._writing(self._in_flight, self._manager.close)
 
 
-def resolve_restore_path(config: RestoreCheckpointConfig) -> tuple[str, int]:
-  """Finds (checkpoints directory, step) for an explicit restore path.
+# The kinds of checkpoint `open_checkpoint` finds; a foreign one is
+# `interop.T5X` or `interop.HUGGING_FACE`.
+STEP_DIR = "t5lite step"
+RUN_DIR = "t5lite run"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedCheckpoint:
+  """What a checkpoint path holds (see `open_checkpoint`).
+
+  Attributes:
+    kind: `STEP_DIR` (one step directory such as `<model_dir>/checkpoints/1000`),
+      `RUN_DIR` (a model_dir or checkpoints directory, at its newest step),
+      `interop.T5X` or `interop.HUGGING_FACE`.
+    path: the path as given.
+    directory: the checkpoints directory holding `step`; for a foreign
+      checkpoint, `path` itself.
+    step: the training step it holds: t5lite's or T5X's step, 0 for a
+      Hugging Face folder.
+  """
+
+  kind: str
+  path: str
+  directory: str
+  step: int
+
+  @property
+  def foreign(self) -> bool:
+    """Whether interop reads it (T5X or Hugging Face), not t5lite's Orbax."""
+    return self.kind not in (STEP_DIR, RUN_DIR)
+
+
+def open_checkpoint(path: str, mode: str = "latest") -> OpenedCheckpoint:
+  """The one answer to "what checkpoint is at `path`?", for every reader.
+
+  Args:
+    path: a T5X checkpoint (a `checkpoint_<step>` directory or one holding
+      them), a Hugging Face folder, a t5lite step directory, or a t5lite
+      model_dir or checkpoints directory.
+    mode: for t5lite's own checkpoints, 'specific' (`path` is one step
+      directory), 'latest' (its newest step) or 'auto' ('specific' when the
+      last component of `path` is a number). A foreign checkpoint names its
+      step itself.
+
+  Returns:
+    Its kind, directory and step; only directory listings are read.
 
   Raises:
-    ValueError: the path holds no checkpoint.
+    ValueError: `path` holds no checkpoint.
   """
-  path = os.path.abspath(config.path)
-  if config.mode == "specific":
-    root, name = os.path.split(path.rstrip("/"))
+  foreign = interop.checkpoint_format(path)
+  if foreign:
+    return OpenedCheckpoint(foreign, path, path, interop.checkpoint_step(path))
+  if mode == "auto":
+    mode = "specific" if os.path.basename(os.path.normpath(path)).isdigit() else "latest"
+  if mode == "specific":
+    root, name = os.path.split(os.path.abspath(path).rstrip("/"))
     if not name.isdigit() or not os.path.isdir(path):
       raise UserError(
-          f"Restore path '{config.path}' is not a checkpoint step directory "
+          f"Restore path '{path}' is not a checkpoint step directory "
           "like '<model_dir>/checkpoints/1000'.")
-    return root, int(name)
-  if os.path.isdir(os.path.join(path, CHECKPOINTS_SUBDIR)):
-    path = os.path.join(path, CHECKPOINTS_SUBDIR)
-  step = max(list_steps(path)[1], default=None)
-  if step is None:
-    raise UserError(f"No checkpoint found under restore path '{config.path}'.")
-  return path, step
+    return OpenedCheckpoint(STEP_DIR, path, root, int(name))
+  directory, steps = list_steps(path)
+  if not steps:
+    raise UserError(f"No checkpoint found under restore path '{path}'.")
+  return OpenedCheckpoint(RUN_DIR, path, directory, max(steps))
 
 
 def list_steps(path: str) -> tuple[str, list[int]]:
@@ -703,7 +750,8 @@ def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> t
     CheckpointReadError: the step cannot be read (the message names it).
     CheckpointMismatchError: it belongs to another model.
   """
-  directory, step = resolve_restore_path(config)
+  opened = open_checkpoint(config.path, config.mode)
+  directory, step = opened.directory, opened.step
   manager = _manager(directory, read_only=True)
   try:
     return _restore(manager, step, abstract_state)[0], step
@@ -780,7 +828,8 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
       parameters, a shape mismatch (when `strict`) or a parameter missing from
       the checkpoint (unless `fallback_to_scratch`).
   """
-  directory, step = resolve_restore_path(config)
+  opened = open_checkpoint(config.path, config.mode)
+  directory, step = opened.directory, opened.step
   step_dir = os.path.join(directory, str(step))
   state_dir = os.path.join(step_dir, _ITEM)
   try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -109,3 +110,17 @@ class DivergenceCheck:
                 f"{recent / before:.3g} times the median {before:.4g} of the {window} steps "
                 f"before them (limit loss_spike_factor={factor:g})")
     return None
+
+
+def stop_message(problem: str, saved: Sequence[int]) -> str:
+  """The line a diverged run stops with: what diverged where, what is on
+  disk (the checkpoint steps `saved`, ascending), how to go on."""
+  if not saved:
+    return (f"Training diverged {problem}; stopped without saving it (no checkpoint yet). "
+            "Rerun with a lower learning rate (or gradient clipping).")
+  listed = ", ".join(str(s) for s in saved[-5:])
+  return (f"Training diverged {problem}; stopped without saving it, the newest checkpoint "
+          f"is step {saved[-1]}. Rerun with a lower learning rate (or gradient clipping) to "
+          "continue from it, or restart from an earlier saved step (steps "
+          f"{'..., ' if len(saved) > 5 else ''}{listed}) with "
+          "--gin.train.resume_step=N.")

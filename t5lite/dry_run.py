@@ -1,7 +1,7 @@
 """`t5lite-train --dry_run`: what a run would do, without compiling or writing.
 
 The dry run receives exactly the arguments gin would pass to `train()`, runs
-the same validation (`train.validate`, then the divisibility check of every
+the same validation (`run_config.validate`, then the divisibility check of every
 sharded parameter), builds the train state abstractly with `jax.eval_shape`
 and prints:
 
@@ -42,6 +42,7 @@ from jax.extend import core as jax_core
 
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
+from t5lite import report as report_lib
 from t5lite import state_init
 from t5lite import train as train_lib
 from t5lite import train_eval
@@ -92,6 +93,7 @@ class Report:
   mesh: dict[str, int]
   devices: str
   params: tuple[state_init.ParamRow, ...]
+  param_count: int
   modules: dict[str, int]
   expert_params: int
   active_params: int | None
@@ -139,12 +141,10 @@ def describe(run: RunConfig) -> Report:
   per_device = train_dataset_cfg.batch_size // partitioner.batch_size_divisor()
   examples = max(1, per_device // microbatches)
   activations = activation_bytes(model, shapes, types, specs.abstract.params, examples)
-  evaluators = ", ".join(name for name, cfg in (("train-eval", run.train_eval_dataset_cfg),
-                                                 ("infer-eval", run.infer_eval_dataset_cfg))
-                         if cfg is not None and periods.eval)
   return Report(
       model_dir=run.model_dir, model=_model_name(model), mesh=dict(partitioner.mesh.shape),
-      devices=_devices(), params=tuple(rows), modules=module_counts(rows),
+      devices=report_lib.devices(), params=tuple(rows),
+      param_count=state_init.param_count(specs), modules=module_counts(rows),
       expert_params=_expert_params(rows), active_params=_active_params(model, rows),
       memory=Memory(params=sharded_bytes(specs.abstract.params, specs.shardings.params),
                     gradients=sharded_bytes(specs.abstract.params, specs.shardings.params),
@@ -155,11 +155,7 @@ def describe(run: RunConfig) -> Report:
       data=tuple(data_lines(train_dataset_cfg, run.train_eval_dataset_cfg,
                             run.infer_eval_dataset_cfg, partitioner, run.eval_steps,
                             microbatches)),
-      schedule=schedule(periods=periods, model_dir=run.model_dir,
-                        checkpoint_cfg=run.checkpoint_cfg, total_steps=run.total_steps,
-                        relative_steps=run.relative_steps, evaluators=evaluators,
-                        eval_at_start=run.run_eval_before_training,
-                        resume_step=run.resume_step))
+      schedule=schedule(run, periods))
 
 
 # ---------------------------------------------------------------------------
@@ -196,12 +192,6 @@ def _model_name(model: Any) -> str:
   return (f"{type(model).__name__} ({type(model.module).__name__}), "
           f"{type(vocab).__name__} of {vocab.vocab_size} ids"
           + (f" in {rows} embedding rows" if rows else ""))
-
-
-def _devices() -> str:
-  devices = jax.devices()
-  return (f"{len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
-          "process(es)")
 
 
 # ---------------------------------------------------------------------------
@@ -364,19 +354,21 @@ def _start(model_dir: str, restore: ckpt_lib.RestoreCheckpointConfig | None,
   return 0, "fresh start", start
 
 
-def schedule(*, periods: Periods, model_dir: str,
-             checkpoint_cfg: ckpt_lib.CheckpointConfig, total_steps: int,
-             relative_steps: int | None, evaluators: str, eval_at_start: bool,
-             resume_step: int | None = None) -> Schedule:
-  """The steps the loop checkpoints and evaluates at (`Periods.saves_at`, `.evaluates_at`)."""
-  start, start_from, decided = _start(model_dir, checkpoint_cfg.restore, resume_step)
-  end = start + relative_steps if relative_steps is not None else total_steps
+def schedule(run: RunConfig, periods: Periods) -> Schedule:
+  """The steps the loop checkpoints and evaluates at (`Periods.saves_at`,
+  `.evaluates_at`), from the start and end training decides the same way
+  (`state_init.find_start`, `RunConfig.end_step`), with the evaluators
+  training builds (`RunConfig.evaluations`)."""
+  model_dir, checkpoint_cfg = run.model_dir, run.checkpoint_cfg
+  start, start_from, decided = _start(model_dir, checkpoint_cfg.restore, run.resume_step)
+  end = run.end_step(start)
+  evaluators = ", ".join(run.evaluations(periods))
   steps = range(start + 1, end + 1)
   saves = tuple(s for s in steps if periods.saves_at(s, end))
   evals: tuple[int, ...] = ()
   if evaluators:
     evals = tuple(s for s in steps if periods.evaluates_at(s, end))
-    if eval_at_start and start < end:
+    if run.run_eval_before_training and start < end:
       evals = (start,) + evals
   return Schedule(start=start, start_from=start_from, end=end, epoch=periods.epoch,
                   stats=periods.stats, checkpoints=saves,
@@ -439,7 +431,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 def format_report(r: Report) -> str:
   """The report as the text `--dry_run` prints."""
   exists = "exists" if os.path.isdir(r.model_dir) else "does not exist yet; not created"
-  total = sum(r.modules.values())
+  total = r.param_count
   lines = [f"Dry run: nothing compiled, nothing written. MODEL_DIR {r.model_dir} ({exists}).",
            "", f"Model: {r.model}", f"Parameters: {total:,} total"]
   lines += _table([[name, f"{n:,}"] for name, n in r.modules.items()])

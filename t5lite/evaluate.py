@@ -13,7 +13,6 @@ JSONL.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -38,8 +37,9 @@ EVALUATED_STEPS_FILE = "evaluated_steps.json"
 _MODES = ("specific", "latest", "all")
 
 
-def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list[int]]:
-  """(checkpoints directory, steps) named by the restore config.
+def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig
+                       ) -> tuple[ckpt_lib.OpenedCheckpoint, list[int]]:
+  """(the checkpoint, steps to evaluate) named by the restore config.
 
   Raises:
     ValueError: no path, an unknown mode, or no checkpoint there.
@@ -50,18 +50,11 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig) -> tuple[str, list
   if cfg.mode not in _MODES:
     raise UserError(f"Unknown checkpoint mode '{cfg.mode}' for evaluation; use one of "
                     f"{list(_MODES)}.")
-  if interop.checkpoint_format(cfg.path):
-    return cfg.path, [interop.checkpoint_step(cfg.path)]
-  name = os.path.basename(os.path.normpath(cfg.path))
-  if cfg.mode != "all" or (name.isdigit() and os.path.isdir(cfg.path)):
-    # 'all' on one step directory means that checkpoint.
-    mode = "specific" if cfg.mode == "all" else cfg.mode
-    directory, step = ckpt_lib.resolve_restore_path(dataclasses.replace(cfg, mode=mode))
-    return directory, [step]
-  directory, steps = ckpt_lib.list_steps(cfg.path)
-  if not steps:
-    raise UserError(f"No checkpoint found under '{cfg.path}'.")
-  return directory, steps
+  # 'all' on one step directory, or on a foreign checkpoint, means that checkpoint.
+  opened = ckpt_lib.open_checkpoint(cfg.path, "auto" if cfg.mode == "all" else cfg.mode)
+  if cfg.mode == "all" and opened.kind == ckpt_lib.RUN_DIR:
+    return opened, ckpt_lib.list_steps(opened.directory)[1]
+  return opened, [opened.step]
 
 
 def _read_evaluated(output_dir: str) -> set[int]:
@@ -84,18 +77,18 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
 
 
 def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str, int],
-                     directory: str):
-  """Returns (params shardings, restore(step) -> params) for the checkpoints."""
+                     opened: ckpt_lib.OpenedCheckpoint):
+  """Returns (params shardings, restore(step) -> params) for the checkpoint(s) `opened`."""
   specs, _ = state_init.state_specs(model, partitioner,
                                    *model.input_shapes_and_types(lengths, pack=False))
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
 
   def restore(step: int) -> Any:
-    if interop.checkpoint_format(directory):
+    if opened.foreign:
       params = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
-      return interop.load_params(directory, params)
-    config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(directory, str(step)),
+      return interop.load_params(opened.path, params)
+    config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(opened.directory, str(step)),
                                               mode="specific")
     return ckpt_lib.restore_from_path(config, abstract)[0]["params"]
   return specs.shardings.params, restore
@@ -137,7 +130,7 @@ def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner
   if dataset_cfg.pack:
     raise UserError("Inference evaluation decodes examples one by one; set "
                     "infer_eval/DatasetConfig.pack = False.")
-  directory, steps = _steps_to_evaluate(restore_checkpoint_cfg)
+  opened, steps = _steps_to_evaluate(restore_checkpoint_cfg)
   done = _read_evaluated(output_dir) if restore_checkpoint_cfg.mode == "all" else set()
   todo = [s for s in steps if s not in done]
   if train_eval_dataset_cfg is not None and trainer_cls is None:
@@ -145,7 +138,7 @@ def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner
   datasets.validate_dataset_config(dataset_cfg, num_shards=partitioner.get_data_layout(
       dataset_cfg.batch_size).num_shards)
   params_shardings, restore = _params_restorer(model, partitioner,
-                                               dataset_cfg.task_feature_lengths, directory)
+                                               dataset_cfg.task_feature_lengths, opened)
   infer_eval = inference.InferenceEvaluator(
       model=model, cfg=dataset_cfg, partitioner=partitioner,
       params_shardings=params_shardings, output_dir=output_dir, num_examples=num_examples)
@@ -307,13 +300,9 @@ def infer(*, model: Any, partitioner: Partitioner,
   else:
     sources = _task_examples(mixture_or_task_name, split, task_feature_lengths, module,
                              num_examples)
-  if interop.checkpoint_format(restore_checkpoint_cfg.path):
-    directory = restore_checkpoint_cfg.path
-    step = interop.checkpoint_step(directory)
-  else:
-    directory, step = ckpt_lib.resolve_restore_path(restore_checkpoint_cfg)
-  params_shardings, restore = _params_restorer(model, partitioner, task_feature_lengths,
-                                               directory)
+  opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode)
+  step = opened.step
+  params_shardings, restore = _params_restorer(model, partitioner, task_feature_lengths, opened)
   params = restore(step)
   runner = inference.BatchRunner(partitioner, batch_size, params_shardings)
   written = []
@@ -366,17 +355,12 @@ def export_huggingface(*, model: Any, partitioner: Partitioner,
       this checkpoint; checked before anything is written.
   """
   fields = interop.export_fields(model)  # refuses models with no counterpart first
-  if interop.checkpoint_format(restore_checkpoint_cfg.path):
-    directory, step = restore_checkpoint_cfg.path, 0
-  else:
-    mode = "specific" if os.path.basename(os.path.normpath(
-        restore_checkpoint_cfg.path or "")).isdigit() else "latest"
-    directory, step = ckpt_lib.resolve_restore_path(
-        dataclasses.replace(restore_checkpoint_cfg, mode=mode))
+  opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path or "", "auto")
+  directory, step = opened.directory, opened.step
   source = os.path.abspath(directory)
   interop.check_export_target(output_dir, source, overwrite)
   partitioner.validate()
-  _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, directory)
+  _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, opened)
   params = restore(step)
   # Every process joins the gather of the parameters; process 0 writes.
   written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary,

@@ -52,6 +52,7 @@ def import_gin() -> str:
       have, a T5X config.gin that is not an operative config, or an
       existing --output without --overwrite (nothing is written).
   """
+  from t5lite import checkpoints as ckpt_lib
   from t5lite import interop
   from t5lite.interop import gin_file
   from t5lite.interop import t5x_recipe
@@ -64,7 +65,7 @@ def import_gin() -> str:
     raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
   description, network, fields, vocabulary = interop.describe(source)
   recipe = (t5x_recipe.for_checkpoint(source, network)
-            if interop.checkpoint_format(source) == interop.T5X else None)
+            if ckpt_lib.open_checkpoint(source).kind == interop.T5X else None)
   text = gin_file.model_gin(network, fields, vocabulary, source, recipe)
   if FLAGS.output:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)

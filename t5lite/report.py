@@ -13,6 +13,7 @@ from t5lite import checkpoints as ckpt_lib
 from t5lite import compilation_cache
 from t5lite import inference
 from t5lite import metrics as metrics_lib
+from t5lite import state_init
 from t5lite.feeder import TrainData
 
 if TYPE_CHECKING:
@@ -34,11 +35,17 @@ def value_count(tree: Any) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
+def devices() -> str:
+  """The devices a run uses, as the banner and the dry run both say it:
+  '8 x cpu in 1 process(es)'."""
+  every = jax.devices()
+  return f"{len(every)} x {every[0].device_kind} in {jax.process_count()} process(es)"
+
+
 def banner(*, model, specs, partitioner, train_cfg, periods, start, end, checkpointer) -> str:
   """What is about to run: devices, mesh, model size, data, schedule."""
-  devices = jax.devices()
   mesh = " x ".join(f"{k} {v}" for k, v in partitioner.mesh.shape.items() if v > 1) or "1 device"
-  params = value_count(specs.abstract.params)
+  params = state_init.param_count(specs)
   layout = partitioner.get_data_layout(train_cfg.batch_size)
   lengths = ", ".join(f"{k} {v}" for k, v in train_cfg.task_feature_lengths.items())
   save = (f"checkpoints every {periods.checkpoint} steps and at the end"
@@ -47,8 +54,7 @@ def banner(*, model, specs, partitioner, train_cfg, periods, start, end, checkpo
   return "\n".join([
       f"t5lite: training {type(model.module).__name__} ({params / 1e6:.2f}M parameters, "
       f"{value_count(specs.abstract.opt_state) / 1e6:.2f}M optimizer values)",
-      f"  devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
-      f"process(es); mesh: {mesh}",
+      f"  devices: {devices()}; mesh: {mesh}",
       f"  data: {train_cfg.mixture_or_task_name} ({train_cfg.split}), global batch "
       f"{train_cfg.batch_size} ({train_cfg.batch_size // layout.num_shards} per host), "
       f"lengths {lengths}",

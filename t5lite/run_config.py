@@ -3,21 +3,32 @@
 `train()` keeps its keyword arguments exactly as gin files and T5X users
 bind them; its first act is to turn them into a `RunConfig`, which every
 later phase (validation, the data, the state, the loop) and the dry run
-take instead of long parameter lists.
+take instead of long parameter lists. The decisions that follow from the
+settings alone (`validate`, `RunConfig.end_step`, `RunConfig.evaluations`)
+live here, so training and its dry run ask the same functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from t5lite import actions as actions_lib
+from t5lite import checkpoints as ckpt_lib
+from t5lite import metrics as metrics_lib
 from t5lite.checkpoints import CheckpointConfig
+from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceLimits
 from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
+from t5lite.periods import Periods, compute_periods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +88,68 @@ class RunConfig:
     """The training, train-eval and infer-eval data that are set, in that order."""
     return tuple(cfg for cfg in (self.train_dataset_cfg, self.train_eval_dataset_cfg,
                                  self.infer_eval_dataset_cfg) if cfg is not None)
+
+  def end_step(self, start: int) -> int:
+    """The step a run starting at `start` trains up to: `relative_steps`
+    past it when set, else `total_steps`."""
+    return start + self.relative_steps if self.relative_steps is not None else self.total_steps
+
+  def evaluations(self, periods: Periods) -> dict[str, DatasetConfig]:
+    """The evaluators the run builds, by name ('train-eval', 'infer-eval'),
+    with their data: those configured, when `periods` evaluates at all."""
+    if not periods.eval:
+      return {}
+    return {name: cfg for name, cfg in (("train-eval", self.train_eval_dataset_cfg),
+                                        ("infer-eval", self.infer_eval_dataset_cfg))
+            if cfg is not None}
+
+
+def resolve_seed(random_seed: int | None) -> int:
+  """`random_seed`, or one drawn from the clock (the same on every process) when None."""
+  if random_seed is not None:
+    return int(random_seed)
+  seed = int(time.time() * 1000) % (2**31)
+  if jax.process_count() > 1:
+    # Clocks differ between hosts; every process must init and drop out alike.
+    from jax.experimental import multihost_utils
+    seed = int(multihost_utils.broadcast_one_to_all(np.asarray(seed, np.int32)))
+  metrics_lib.log_line(f"random_seed not set; using {seed}")
+  return seed
+
+
+def _check_writable(model_dir: str) -> None:
+  """MODEL_DIR (or the directory it will be created in) must be writable."""
+  path = os.path.abspath(model_dir)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+    raise UserError(f"MODEL_DIR '{model_dir}' is not writable ('{path}' is not a writable "
+                    "directory); choose another MODEL_DIR or fix its permissions.")
+
+
+def validate(run: RunConfig, trainer: Any) -> Periods:
+  """Every check of `run` that needs no compilation and writes nothing.
+
+  Raises:
+    ValueError: the first problem found, as one readable message.
+  """
+  ckpt_lib.validate_config(run.checkpoint_cfg)
+  _check_writable(run.model_dir)
+  save = run.checkpoint_cfg.save
+  periods = compute_periods(total_steps=run.total_steps, eval_period=run.eval_period,
+                            checkpoint_period=save.period if save else 0,
+                            gc_period=run.gc_period, stats_period=run.stats_period,
+                            checkpoint_steps=tuple(save.checkpoint_steps) if save else ())
+  partitioner = run.partitioner
+  partitioner.validate()
+  run.model.validate_mesh(partitioner.mesh.shape)
+  trainer.validate(run.train_dataset_cfg.batch_size)
+  for cfg in run.datasets:
+    layout = partitioner.get_data_layout(cfg.batch_size)
+    datasets.validate_dataset_config(cfg, num_shards=layout.num_shards)
+    run.model.validate_vocabulary(cfg.mixture_or_task_name, datasets.get_vocabulary(cfg)[1])
+  infer_cfg = run.infer_eval_dataset_cfg
+  if infer_cfg is not None and infer_cfg.pack:
+    raise UserError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
+                    f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
+  return periods

@@ -99,21 +99,21 @@ def find_start(model_dir: str, restore_cfg: ckpt_lib.RestoreCheckpointConfig | N
     return Start("resume", max(plan.candidates), plan)
   if restore_cfg is None or not restore_cfg.path:
     return Start("fresh", 0, plan)
-  foreign = interop.checkpoint_format(restore_cfg.path)
-  if foreign and restore_cfg.assignment_map:
-    raise UserError(f"{restore_cfg.path} is a {foreign} checkpoint, whose names t5lite maps "
-                    "itself: remove RestoreCheckpointConfig.assignment_map.")
-  if foreign == interop.T5X and not restore_cfg.params_only:
-    return Start("import_state", interop.checkpoint_step(restore_cfg.path), plan)
-  if foreign and not restore_cfg.params_only:
-    raise UserError(f"{restore_cfg.path} is a {foreign} checkpoint, which holds parameters "
-                    "only: set RestoreCheckpointConfig.params_only = True (gin/runs/finetune.gin "
-                    "does).")
-  if foreign:
+  opened = ckpt_lib.open_checkpoint(restore_cfg.path, restore_cfg.mode)
+  if opened.foreign and restore_cfg.assignment_map:
+    raise UserError(f"{restore_cfg.path} is a {opened.kind} checkpoint, whose names t5lite "
+                    "maps itself: remove RestoreCheckpointConfig.assignment_map.")
+  if opened.kind == interop.T5X and not restore_cfg.params_only:
+    return Start("import_state", opened.step, plan)
+  if opened.foreign and not restore_cfg.params_only:
+    raise UserError(f"{restore_cfg.path} is a {opened.kind} checkpoint, which holds "
+                    "parameters only: set RestoreCheckpointConfig.params_only = True "
+                    "(gin/runs/finetune.gin does).")
+  if opened.foreign:
     return Start("import", 0, plan)
   if restore_cfg.params_only:
     return Start("params", 0, plan)
-  return Start("restore", ckpt_lib.resolve_restore_path(restore_cfg)[1], plan)
+  return Start("restore", opened.step, plan)
 
 
 def data_position(start: Start, model_dir: str) -> int:
@@ -132,9 +132,8 @@ def data_position(start: Start, model_dir: str) -> int:
 def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainState],
                     partitioner: Partitioner, checkpointer: ckpt_lib.Checkpointer,
                     restore_cfg: ckpt_lib.RestoreCheckpointConfig | None,
-                    seed: int, data: TrainData | None = None,
-                    resume_step: int | None = None,
-                    start: Start | None = None) -> tuple[TrainState, int]:
+                    seed: int, start: Start, data: TrainData | None = None
+                    ) -> tuple[TrainState, int]:
   """Newest readable checkpoint in model_dir, else an explicit restore path, else fresh init.
 
   The data continues where the restored step left it: from the saved
@@ -144,19 +143,19 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   the parameters the checkpoint provides and starts at step 0; the latest
   checkpoint in model_dir still wins over it, so a restarted fine-tune
   resumes its own full state. Unreadable newer steps, and with
-  `resume_step` the steps after it, are moved out of the way (never
+  `train.resume_step` the steps after it, are moved out of the way (never
   deleted) once a step has restored.
 
-  `start` is `find_start`'s decision when the caller already made it
-  (training does, to build the data at its position meanwhile).
+  `start` is `find_start`'s decision, made by the caller (training makes
+  it first, to build the data at its position meanwhile) from `restore_cfg`.
 
   Returns:
     (state, step it starts from).
 
   Raises:
-    ValueError: the explicit restore path does not fit the model, no step of
-      model_dir can be read, or `resume_step` is not one of its steps
-      (checked before anything is written to model_dir).
+    ValueError: the explicit restore path does not fit the model, or no step
+      of model_dir can be read (checked before anything is written to
+      model_dir).
   """
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
                                               specs.shardings.state_dict())
@@ -164,7 +163,6 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   # split over the devices, never whole on one.
   init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings,
                                program=("init",), like=specs.abstract)
-  start = start or find_start(checkpointer.model_dir, restore_cfg, resume_step)
   unfinished = [s for s in checkpointer.unfinished_steps()
                 if start.kind != "resume" or s > start.step]
   if unfinished:
@@ -295,6 +293,12 @@ def param_rows(specs: StateSpecs, partitioner: Partitioner) -> list[ParamRow]:
           for (path, leaf), spec in zip(flat, logical)]
 
 
+def param_count(specs: StateSpecs) -> int:
+  """The model's parameter count, as model-info.txt, the run's banner and the
+  dry run all give it."""
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(specs.abstract.params))
+
+
 def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> None:
   """One line per parameter (`param_rows`): name, size, shape, logical axes,
   mesh partition spec; then the totals and the mesh."""
@@ -302,7 +306,7 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
   lines = [f"Variable {row.name:60s} size {row.size:<12d} shape {str(row.shape):22s} "
            f"logical {row.logical} partition {row.mesh}" for row in rows]
   opt_total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(specs.abstract.opt_state))
-  lines.append(f"Total number of parameters: {sum(row.size for row in rows)}")
+  lines.append(f"Total number of parameters: {param_count(specs)}")
   lines.append(f"Total number of optimizer-state values: {opt_total}")
   lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
   # Through a temporary file, so an interrupted write leaves the old one whole.

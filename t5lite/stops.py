@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 import jax
-
+import numpy as np
 
 
 class TrainingStopped(Exception):
@@ -103,3 +103,22 @@ def _interrupt(*_: Any) -> None:
     os.write(2, b"t5lite: Ctrl-C: saving the current step, then exiting; press Ctrl-C again "
                 b"to exit at once without saving.\n")
   request_preemption(interrupted=True)
+
+
+def any_process_preempted(pending: list) -> bool:
+  """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint
+  the same step, so a multi-process job agrees at each stats period (one
+  small all-gather) instead of acting on its own signal mid-period.
+
+  The all-gather waits for the steps dispatched before it: otherwise one
+  process can start it while another is still in a step's collective, and
+  on CPU (gloo) the two then wait for each other until the context times out.
+  """
+  from jax.experimental import multihost_utils
+  jax.block_until_ready(pending)
+  # 0: go on, 1: preemption asked, 2: Ctrl-C; one Ctrl-C makes every process exit 130.
+  code = int(PREEMPTION.is_set()) + int(INTERRUPTED.is_set())
+  codes = multihost_utils.process_allgather(np.asarray([code], np.int32))
+  if np.any(codes == 2):
+    INTERRUPTED.set()
+  return bool(np.any(codes))

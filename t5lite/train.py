@@ -21,70 +21,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
 from t5lite import compilation_cache
-from t5lite import inference
 from t5lite import interop
 from t5lite import metrics as metrics_lib
 from t5lite import report
+from t5lite import run_config
 from t5lite import run_lock
 from t5lite import state_init
 from t5lite import stops
 from t5lite import write_errors
 from t5lite.checkpoints import CheckpointConfig
-from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
-from t5lite.divergence import DivergenceCheck, DivergenceLimits
-from t5lite.errors import UserError
+from t5lite.divergence import DivergenceCheck, DivergenceLimits, stop_message
 from t5lite.feeder import TrainData
 from t5lite.partitioning import Partitioned, Partitioner
-from t5lite.periods import Periods, compute_periods
+from t5lite.periods import Periods
 from t5lite.run_config import RunConfig
 from t5lite.stops import Diverged, Interrupted, Preempted
-from t5lite.threads import Background
-from t5lite.train_eval import TrainEvaluator
+from t5lite.train_eval import Evaluators, build_evaluators
 from t5lite.train_state import TrainState
-
-
-def _check_writable(model_dir: str) -> None:
-  """MODEL_DIR (or the directory it will be created in) must be writable."""
-  path = os.path.abspath(model_dir)
-  while not os.path.exists(path):
-    path = os.path.dirname(path)
-  if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-    raise UserError(f"MODEL_DIR '{model_dir}' is not writable ('{path}' is not a writable "
-                    "directory); choose another MODEL_DIR or fix its permissions.")
-
-
-def validate(run: RunConfig, trainer: Any) -> Periods:
-  """Every check of `run` that needs no compilation and writes nothing.
-
-  Raises:
-    ValueError: the first problem found, as one readable message.
-  """
-  ckpt_lib.validate_config(run.checkpoint_cfg)
-  _check_writable(run.model_dir)
-  save = run.checkpoint_cfg.save
-  periods = compute_periods(total_steps=run.total_steps, eval_period=run.eval_period,
-                            checkpoint_period=save.period if save else 0,
-                            gc_period=run.gc_period, stats_period=run.stats_period,
-                            checkpoint_steps=tuple(save.checkpoint_steps) if save else ())
-  partitioner = run.partitioner
-  partitioner.validate()
-  run.model.validate_mesh(partitioner.mesh.shape)
-  trainer.validate(run.train_dataset_cfg.batch_size)
-  for cfg in run.datasets:
-    layout = partitioner.get_data_layout(cfg.batch_size)
-    datasets.validate_dataset_config(cfg, num_shards=layout.num_shards)
-    run.model.validate_vocabulary(cfg.mixture_or_task_name, datasets.get_vocabulary(cfg)[1])
-  infer_cfg = run.infer_eval_dataset_cfg
-  if infer_cfg is not None and infer_cfg.pack:
-    raise UserError(f"infer_eval/DatasetConfig.pack must be False (each example is decoded "
-                    f"on its own) for '{infer_cfg.mixture_or_task_name}'.")
-  return periods
 
 
 # ---------------------------------------------------------------------------
@@ -101,84 +59,12 @@ class _Loop:
   writer: metrics_lib.SummaryWriter
   progress: metrics_lib.Progress
   periods: Periods
-  evaluators: _Evaluators
+  evaluators: Evaluators
   actions: Mapping[actions_lib.ActionMode, list]
   train_task: str
   total_steps: int
   divergence: DivergenceCheck = dataclasses.field(
       default_factory=lambda: DivergenceCheck(DivergenceLimits()))
-
-
-class _Evaluators:
-  """The train-eval and inference evaluators, built on a background thread.
-
-  Building them reads and preprocesses the eval splits (tf.data graphs, and
-  SeqIO's evaluator caches the whole inference split), a second or more that
-  would otherwise delay the first training step. `start` begins it once the
-  first step is dispatched (started earlier, it would only take turns at
-  Python's interpreter lock with tracing that step), so it overlaps the
-  steps before the first evaluation. `get` starts it if needed and waits,
-  so the first evaluation uses the evaluators as built, and raises what
-  building raised.
-  """
-
-  def __init__(self, build_train_eval: Callable[[], TrainEvaluator] | None,
-               build_infer_eval: Callable[[], inference.InferenceEvaluator] | None):
-    self._builders = (build_train_eval, build_infer_eval)
-    self._building: Background | None = None
-    self._reported = False
-
-  def start(self) -> None:
-    """Starts building (once)."""
-    if self._building is None and any(self._builders):
-      self._building = Background(self._build, "t5lite-evaluators")
-
-  def _build(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
-    build_train_eval, build_infer_eval = self._builders
-    evaluator = build_train_eval() if build_train_eval else None
-    try:
-      return evaluator, build_infer_eval() if build_infer_eval else None
-    except BaseException:
-      if evaluator is not None:
-        evaluator.close()
-      raise
-
-  def get(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
-    """(train-eval, inference) evaluators, None where not configured."""
-    self.start()
-    if self._building is None:
-      return None, None
-    self._reported = True  # a failed build is raised here, to the loop
-    return self._building.result()
-
-  def close(self) -> None:
-    """Closes the writers of what was built; a failed build that no
-    evaluation reported is logged."""
-    if self._building is None:
-      return
-    try:
-      built = self._building.result()
-    except BaseException as e:  # noqa: BLE001 - the run is ending; say it, do not mask
-      if not self._reported:
-        metrics_lib.log_line(f"Warning: the evaluators could not be built: {e}")
-      return
-    for evaluator in built:
-      if evaluator is not None:
-        evaluator.close()
-
-
-def _diverged_message(loop: _Loop, problem: str) -> str:
-  """The stop line: what diverged where, what is on disk, how to go on."""
-  saved = loop.checkpointer.all_steps()
-  if not saved:
-    return (f"Training diverged {problem}; stopped without saving it (no checkpoint yet). "
-            "Rerun with a lower learning rate (or gradient clipping).")
-  listed = ", ".join(str(s) for s in saved[-5:])
-  return (f"Training diverged {problem}; stopped without saving it, the newest checkpoint "
-          f"is step {saved[-1]}. Rerun with a lower learning rate (or gradient clipping) to "
-          "continue from it, or restart from an earlier saved step (steps "
-          f"{'..., ' if len(saved) > 5 else ''}{listed}) with "
-          "--gin.train.resume_step=N.")
 
 
 def _check_divergence(loop: _Loop, fetched: list[dict[str, float]], step: int) -> None:
@@ -187,8 +73,8 @@ def _check_divergence(loop: _Loop, fetched: list[dict[str, float]], step: int) -
   the same stats period."""
   problem = loop.divergence.first_problem(fetched, step - len(fetched) + 1)
   if actions_lib.broadcast_decision(int(problem is not None)):
-    raise Diverged(_diverged_message(loop, problem or "in the stats period before step "
-                                     f"{step} (found by process 0)"))
+    raise Diverged(stop_message(problem or f"in the stats period before step {step} (found by "
+                                "process 0)", loop.checkpointer.all_steps()))
 
 
 def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | None:
@@ -261,12 +147,12 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
         loop.step_fn.prepare(state, loop.data.abstract_batch())
       while step < stats_end:
         state, step_metrics = loop.step_fn(state, next(loop.data))
-        loop.evaluators.start()  # after the first step's trace (see _Evaluators)
+        loop.evaluators.start()  # after the first step's trace (see train_eval.Evaluators)
         step += 1
         pending.append(step_metrics)
         if jax.process_count() == 1 and stops.PREEMPTION.is_set():
           _preempt(loop, step, state, pending)
-      if jax.process_count() > 1 and _any_process_preempted(pending):
+      if jax.process_count() > 1 and stops.any_process_preempted(pending):
         _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
       # Programs loaded from the store are checked while training goes on,
@@ -285,30 +171,11 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
           ) -> tuple[TrainState, int, actions_lib.Stop]:
   """Ends training for an action: keeps the step unless its state is bad."""
   if not stop.save:
-    raise Diverged(_diverged_message(loop, f"at step {step}: {stop.reason}"))
+    raise Diverged(stop_message(f"at step {step}: {stop.reason}", loop.checkpointer.all_steps()))
   if loop.periods.checkpoint:
     _save(loop, step, state)
   metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
   return state, step, stop
-
-
-def _any_process_preempted(pending: list) -> bool:
-  """Whether any process got SIGTERM or Ctrl-C: every process must checkpoint
-  the same step, so a multi-process job agrees at each stats period (one
-  small all-gather) instead of acting on its own signal mid-period.
-
-  The all-gather waits for the steps dispatched before it: otherwise one
-  process can start it while another is still in a step's collective, and
-  on CPU (gloo) the two then wait for each other until the context times out.
-  """
-  from jax.experimental import multihost_utils
-  jax.block_until_ready(pending)
-  # 0: go on, 1: preemption asked, 2: Ctrl-C; one Ctrl-C makes every process exit 130.
-  code = int(stops.PREEMPTION.is_set()) + int(stops.INTERRUPTED.is_set())
-  codes = multihost_utils.process_allgather(np.asarray([code], np.int32))
-  if np.any(codes == 2):
-    stops.INTERRUPTED.set()
-  return bool(np.any(codes))
 
 
 def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
@@ -325,18 +192,6 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
     _write_stats(loop, step, pending)  # also refuses to save a diverged state
   _save(loop, step, state)
   raise (Interrupted if stops.INTERRUPTED.is_set() else Preempted)(step)
-
-
-def _resolve_seed(random_seed: int | None) -> int:
-  if random_seed is not None:
-    return int(random_seed)
-  seed = int(time.time() * 1000) % (2**31)
-  if jax.process_count() > 1:
-    # Clocks differ between hosts; every process must init and drop out alike.
-    from jax.experimental import multihost_utils
-    seed = int(multihost_utils.broadcast_one_to_all(np.asarray(seed, np.int32)))
-  metrics_lib.log_line(f"random_seed not set; using {seed}")
-  return seed
 
 
 def train(*,
@@ -428,7 +283,7 @@ def train(*,
     checkpoints.CheckpointWriteError: a checkpoint could not be written.
   """
   arguments = dict(locals())
-  run = RunConfig.from_train_arguments(arguments, seed=_resolve_seed(random_seed))
+  run = RunConfig.from_train_arguments(arguments, seed=run_config.resolve_seed(random_seed))
   trainer, periods = checked_setup(run)
   return _run(run, trainer, periods)
 
@@ -438,7 +293,7 @@ def checked_setup(run: RunConfig) -> tuple[Any, Periods]:
   compile. `train()` and its dry run both start here, so the dry run
   refuses exactly what training refuses."""
   trainer = run.trainer_cls(model=run.model, partitioner=run.partitioner, dropout_seed=run.seed)
-  return trainer, validate(run, trainer)
+  return trainer, run_config.validate(run, trainer)
 
 
 def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None] | None,
@@ -454,27 +309,15 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
       summarize_config_fn(model_dir)
 
 
-def _build_loop(run: RunConfig, trainer: Any, periods: Periods, data: TrainData,
-                specs: state_init.StateSpecs, checkpointer: ckpt_lib.Checkpointer,
-                step_fn: Partitioned, start: int, end: int) -> _Loop:
-  """The evaluators and the writers around the step and the data."""
-  build_eval = build_infer = None
-  if run.train_eval_dataset_cfg is not None and periods.eval:
-    build_eval = functools.partial(
-        TrainEvaluator, model=run.model, cfg=run.train_eval_dataset_cfg,
-        partitioner=run.partitioner, trainer=trainer, params_shardings=specs.shardings.params,
-        eval_steps=run.eval_steps, model_dir=run.model_dir)
-  if run.infer_eval_dataset_cfg is not None and periods.eval:
-    build_infer = functools.partial(
-        inference.InferenceEvaluator, model=run.model, cfg=run.infer_eval_dataset_cfg,
-        partitioner=run.partitioner, params_shardings=specs.shardings.params,
-        output_dir=run.model_dir)
+def _build_loop(run: RunConfig, periods: Periods, data: TrainData,
+                checkpointer: ckpt_lib.Checkpointer, step_fn: Partitioned,
+                evaluators: Evaluators, start: int, end: int) -> _Loop:
+  """The writers and the loop's pieces around the step, the data and the evaluators."""
   writer = metrics_lib.SummaryWriter(os.path.join(run.model_dir, "train"),
                                      jax.process_index() == 0)
   progress = report.progress(run.model, data, start, end, run.peak_flops_per_device)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
-               progress=progress, periods=periods,
-               evaluators=_Evaluators(build_eval, build_infer), actions=run.actions,
+               progress=progress, periods=periods, evaluators=evaluators, actions=run.actions,
                train_task=run.train_dataset_cfg.mixture_or_task_name,
                total_steps=end, divergence=DivergenceCheck(run.divergence))
 
@@ -565,9 +408,8 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
                   data.abstract_batch())
   state, start = state_init.init_or_restore(
       specs=specs, init_fn=init_fn, partitioner=partitioner, checkpointer=checkpointer,
-      restore_cfg=restore, seed=run.seed, data=data, resume_step=run.resume_step,
-      start=planned)
-  end = start + run.relative_steps if run.relative_steps is not None else run.total_steps
+      restore_cfg=restore, seed=run.seed, start=planned, data=data)
+  end = run.end_step(start)
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
     data.close()  # the pipeline a restart builds in the background, never used
@@ -581,7 +423,8 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
     with write_errors.writing("model-info.txt", info, start):
       state_init.write_model_info(info, specs, partitioner)
 
-  loop = _build_loop(run, trainer, periods, data, specs, checkpointer, step_fn, start, end)
+  evaluators = build_evaluators(run, trainer, periods, specs.shardings.params)
+  loop = _build_loop(run, periods, data, checkpointer, step_fn, evaluators, start, end)
   metrics_lib.log_line(report.banner(model=model, specs=specs, partitioner=partitioner,
                                      train_cfg=train_cfg, periods=periods, start=start, end=end,
                                      checkpointer=checkpointer))

@@ -1,20 +1,27 @@
-"""Evaluation during training: teacher-forced metrics on held-out batches.
+"""Evaluation during training: teacher-forced metrics on held-out batches,
+and the evaluators a run builds (this one and `inference`'s) off the
+training thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import seqio
 
+from t5lite import inference
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.feeder import global_batches
 from t5lite.partitioning import Partitioner
+from t5lite.periods import Periods
+from t5lite.threads import Background
 
 
 def eval_task_names(cfg: DatasetConfig) -> list[str]:
@@ -67,3 +74,86 @@ class TrainEvaluator:
   def close(self) -> None:
     for writer in self._writers.values():
       writer.close()
+
+
+class Evaluators:
+  """The train-eval and inference evaluators, built on a background thread.
+
+  Building them reads and preprocesses the eval splits (tf.data graphs, and
+  SeqIO's evaluator caches the whole inference split), a second or more that
+  would otherwise delay the first training step. `start` begins it once the
+  first step is dispatched (started earlier, it would only take turns at
+  Python's interpreter lock with tracing that step), so it overlaps the
+  steps before the first evaluation. `get` starts it if needed and waits,
+  so the first evaluation uses the evaluators as built, and raises what
+  building raised.
+  """
+
+  def __init__(self, build_train_eval: Callable[[], TrainEvaluator] | None,
+               build_infer_eval: Callable[[], inference.InferenceEvaluator] | None):
+    self._builders = (build_train_eval, build_infer_eval)
+    self._building: Background | None = None
+    self._reported = False
+
+  def start(self) -> None:
+    """Starts building (once)."""
+    if self._building is None and any(self._builders):
+      self._building = Background(self._build, "t5lite-evaluators")
+
+  def _build(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
+    build_train_eval, build_infer_eval = self._builders
+    evaluator = build_train_eval() if build_train_eval else None
+    try:
+      return evaluator, build_infer_eval() if build_infer_eval else None
+    except BaseException:
+      if evaluator is not None:
+        evaluator.close()
+      raise
+
+  def get(self) -> tuple[TrainEvaluator | None, inference.InferenceEvaluator | None]:
+    """(train-eval, inference) evaluators, None where not configured."""
+    self.start()
+    if self._building is None:
+      return None, None
+    self._reported = True  # a failed build is raised here, to the loop
+    return self._building.result()
+
+  def close(self) -> None:
+    """Closes the writers of what was built; a failed build that no
+    evaluation reported is logged."""
+    if self._building is None:
+      return
+    try:
+      built = self._building.result()
+    except BaseException as e:  # noqa: BLE001 - the run is ending; say it, do not mask
+      if not self._reported:
+        metrics_lib.log_line(f"Warning: the evaluators could not be built: {e}")
+      return
+    for evaluator in built:
+      if evaluator is not None:
+        evaluator.close()
+
+
+def build_evaluators(run: Any, trainer: Any, periods: Periods, params_shardings: Any
+                     ) -> Evaluators:
+  """The evaluators `run.evaluations(periods)` names, to be built in the background.
+
+  Args:
+    run: the run's `RunConfig`.
+    trainer: compiles the teacher-forced eval step.
+    periods: the run's periods (no evaluation at all when `periods.eval` is 0).
+    params_shardings: where the parameters live.
+  """
+  evaluations = run.evaluations(periods)
+  build_eval = build_infer = None
+  if "train-eval" in evaluations:
+    build_eval = functools.partial(
+        TrainEvaluator, model=run.model, cfg=evaluations["train-eval"],
+        partitioner=run.partitioner, trainer=trainer, params_shardings=params_shardings,
+        eval_steps=run.eval_steps, model_dir=run.model_dir)
+  if "infer-eval" in evaluations:
+    build_infer = functools.partial(
+        inference.InferenceEvaluator, model=run.model, cfg=evaluations["infer-eval"],
+        partitioner=run.partitioner, params_shardings=params_shardings,
+        output_dir=run.model_dir)
+  return Evaluators(build_eval, build_infer)

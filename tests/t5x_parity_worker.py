@@ -72,7 +72,8 @@ class _Run:
     checkpointer = ckpt_lib.Checkpointer(str(model_dir), None)
     self.state, self.start = state_init.init_or_restore(
         specs=self.specs, init_fn=init_fn, partitioner=self.partitioner,
-        checkpointer=checkpointer, restore_cfg=restore, seed=0)
+        checkpointer=checkpointer, restore_cfg=restore, seed=0,
+        start=state_init.find_start(str(model_dir), restore))
     checkpointer.close()
 
   def train(self, end):

@@ -22,7 +22,10 @@ from t5lite import state_init
 from t5lite import testing
 from t5lite import train as train_lib
 from t5lite.data import datasets
+from t5lite import metrics as metrics_lib
+from t5lite import report
 from t5lite.periods import compute_periods
+from t5lite.run_config import RunConfig
 
 MOE = ["--gin_file=gin/pretrain_moe.gin"]
 
@@ -182,10 +185,37 @@ def _schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra
   periods = compute_periods(total_steps=total, eval_period=eval_,
                                       checkpoint_period=ckpt, gc_period=0, stats_period=None,
                                       checkpoint_steps=extra)
-  return dry_run.schedule(periods=periods, model_dir=str(model_dir),
-                          checkpoint_cfg=ckpt_lib.CheckpointConfig(save=save, restore=restore),
-                          total_steps=total, relative_steps=relative, evaluators="train-eval",
-                          eval_at_start=at_start)
+  settings = {f.name: None for f in dataclasses.fields(RunConfig)}
+  settings.update(model_dir=str(model_dir), total_steps=total, relative_steps=relative,
+                  checkpoint_cfg=ckpt_lib.CheckpointConfig(save=save, restore=restore),
+                  train_eval_dataset_cfg="<train-eval data>", run_eval_before_training=at_start)
+  return dry_run.schedule(RunConfig(**settings), periods)
+
+
+def test_dry_run_and_run_agree_on_end_step_devices_and_parameters(tmp_path, clean_gin,
+                                                                  monkeypatch):
+  # The dry run's schedule ends where train() ends, fresh, with relative_steps
+  # and with resume_step; it prints the devices and the parameter count the
+  # run's banner and model-info.txt print.
+  lines = []
+  monkeypatch.setattr(metrics_lib, "log_line", lambda line, *a, **k: lines.append(line))
+  base = [*TINY, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.EVAL_PERIOD=0"]
+  for extra, want in ((["--gin.TRAIN_STEPS=2"], 2),
+                      (["--gin.TRAIN_STEPS=2", "--gin.train_lib.train.relative_steps=1"], 3),
+                      (["--gin.TRAIN_STEPS=4", "--gin.train_lib.train.resume_step=2"], 4)):
+    gin.clear_config(clear_constants=True)
+    kwargs = train_arguments(base + extra)
+    out = io.StringIO()
+    planned = dry_run.run(out=out, **kwargs)
+    lines.clear()
+    end, _ = train_lib.train(**kwargs)
+    assert planned.schedule.end == end == want, extra
+    banner = next(line for line in lines if line.startswith("t5lite: training"))
+    assert f"  devices: {report.devices()}; mesh:" in banner
+    assert f" over {report.devices()}\n" in out.getvalue()
+    assert f"({planned.param_count / 1e6:.2f}M parameters," in banner
+  with open(tmp_path / "model-info.txt") as f:
+    assert f"Total number of parameters: {planned.param_count}\n" in f.read()
 
 
 def test_schedule_fresh_run_with_extra_steps_and_keep_rules(tmp_path):

@@ -380,7 +380,6 @@ def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
   # evaluation at step 2 then uses them.
   import threading
 
-  from t5lite import train as train_lib
   from t5lite import train_eval
   built_on = []
 
@@ -389,7 +388,7 @@ def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
       built_on.append(threading.current_thread().name)
       super().__init__(**kwargs)
 
-  monkeypatch.setattr(train_lib, "TrainEvaluator", Recording)
+  monkeypatch.setattr(train_eval, "TrainEvaluator", Recording)
   assert _train_with_train_eval(tmp_path) == 2
   assert built_on == ["t5lite-evaluators"]
   assert scalars(os.path.join(tmp_path, "training_eval", "t5lite_span_corruption"), "loss")
@@ -397,11 +396,11 @@ def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
 
 def test_an_evaluator_that_fails_to_build_stops_the_run_at_its_first_evaluation(
     tmp_path, monkeypatch):
-  from t5lite import train as train_lib
+  from t5lite import train_eval
 
   def failing(**kwargs):
     raise ValueError("no such split")
 
-  monkeypatch.setattr(train_lib, "TrainEvaluator", failing)
+  monkeypatch.setattr(train_eval, "TrainEvaluator", failing)
   with pytest.raises(ValueError, match="no such split"):
     _train_with_train_eval(tmp_path)

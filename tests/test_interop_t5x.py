@@ -4,6 +4,7 @@ The checkpoints and `reference.npz` under tests/data/t5x/ were written by
 T5X itself (see its README); nothing there was computed by t5lite.
 """
 
+import json
 import shutil
 
 import jax
@@ -11,9 +12,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from t5lite import checkpoints as ckpt_lib
+from t5lite import evaluate
 from t5lite import interop
 from t5lite.interop import lazy
 from t5lite.interop import t5x
+from t5lite.partitioning import Partitioner
 
 import interop_helpers as h
 
@@ -154,6 +158,30 @@ def test_model_dir_resolves_to_its_newest_step(tmp_path):
   assert t5x.find_step_dir(str(tmp_path)).endswith("checkpoint_20")
   assert interop.checkpoint_format(str(tmp_path)) == interop.T5X
   assert interop.checkpoint_step(str(tmp_path)) == 20
+
+
+def test_evaluate_infer_and_export_read_the_t5x_step(tmp_path):
+  # One answer to "which step is this checkpoint?": every reader names the
+  # files and records it the same way (an export once recorded step 0).
+  shutil.copytree(h.T5X_CHECKPOINTS["a", "orbax"], tmp_path / "run" / "checkpoint_20")
+  path = str(tmp_path / "run")
+  opened = ckpt_lib.open_checkpoint(path)
+  assert (opened.kind, opened.step, opened.foreign) == (interop.T5X, 20, True)
+  for mode in ("specific", "latest", "all"):
+    cfg = ckpt_lib.RestoreCheckpointConfig(path=path, mode=mode)
+    assert evaluate._steps_to_evaluate(cfg)[1] == [20], mode
+  cfg = ckpt_lib.RestoreCheckpointConfig(path=path)
+  inputs = tmp_path / "inputs.txt"
+  inputs.write_text("hello\n")
+  written = evaluate.infer(model=h.t5x_model("a"), partitioner=Partitioner(),
+                           restore_checkpoint_cfg=cfg, output_dir=str(tmp_path / "out"),
+                           task_feature_lengths={"inputs": 8, "targets": 4}, batch_size=1,
+                           input_file=str(inputs))
+  assert [p.rsplit("/", 1)[1] for p in written] == ["inputs-20.jsonl"]
+  evaluate.export_huggingface(model=h.t5x_model("a"), partitioner=Partitioner(),
+                              restore_checkpoint_cfg=cfg, output_dir=str(tmp_path / "hf"))
+  with open(tmp_path / "hf" / "t5lite-export.json") as f:
+    assert json.load(f)["step"] == 20
 
 
 def test_describe_finds_the_architecture_and_vocabulary():

@@ -41,3 +41,43 @@ def test_evaluate_imports_neither_train_nor_private_names():
              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
              and node.value.id in bound and node.attr.startswith("_")]
   assert not private, private
+
+
+def _gin_configurable(node: ast.FunctionDef) -> bool:
+  """Whether a `@gin.configurable` (called or not) decorates the function."""
+  for decorator in node.decorator_list:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    if ast.unparse(target) in ("gin.configurable", "configurable"):
+      return True
+  return False
+
+
+def _required(node: ast.FunctionDef) -> list[str]:
+  """Parameters without a default, besides self and cls."""
+  args = node.args
+  positional = args.posonlyargs + args.args
+  names = [a.arg for a in positional[:len(positional) - len(args.defaults)]]
+  names += [a.arg for a, default in zip(args.kwonlyargs, args.kw_defaults) if default is None]
+  return [n for n in names if n not in ("self", "cls")]
+
+
+def test_no_function_takes_more_than_eight_required_parameters():
+  # More means a settings object (`RunConfig`) or a decision already made
+  # should be passed instead; gin entry points keep their keyword arguments.
+  crowded = []
+  for root, _, files in os.walk(PACKAGE):
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(root, name)
+      with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+      for node in ast.walk(tree):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not _gin_configurable(node) and len(_required(node)) > 8):
+          crowded.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {node.name} "
+                         f"({len(_required(node))})")
+  assert not crowded, crowded
+
+
+def test_train_module_stays_under_500_lines():
+  with open(os.path.join(PACKAGE, "train.py"), encoding="utf-8") as f:
+    assert len(f.read().splitlines()) < 500

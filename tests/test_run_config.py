@@ -26,6 +26,21 @@ def test_every_train_argument_has_its_setting():
   assert fields == {RESOLVED.get(name, name) for name in params}
 
 
+def test_end_step_and_evaluations_are_decided_here():
+  from t5lite.periods import compute_periods
+  absolute = RunConfig.from_train_arguments(_arguments(total_steps=10), seed=0)
+  relative = RunConfig.from_train_arguments(_arguments(total_steps=10, relative_steps=3), seed=0)
+  assert (absolute.end_step(0), absolute.end_step(4), absolute.end_step(12)) == (10, 10, 10)
+  assert (relative.end_step(0), relative.end_step(4), relative.end_step(12)) == (3, 7, 15)
+  run = RunConfig.from_train_arguments(_arguments(infer_eval_dataset_cfg="<infer>"), seed=0)
+  evaluating = compute_periods(total_steps=10, eval_period=2, checkpoint_period=2, gc_period=0,
+                               stats_period=None)
+  never = compute_periods(total_steps=10, eval_period=0, checkpoint_period=2, gc_period=0,
+                          stats_period=None)
+  assert run.evaluations(evaluating) == {"infer-eval": "<infer>"}
+  assert run.evaluations(never) == {}
+
+
 def test_settings_are_resolved_and_read_only():
   early = actions_lib.EarlyStopping(task="t", metric="loss")
   run = RunConfig.from_train_arguments(

@@ -8,9 +8,9 @@ shapes, as `lazy.LazyArray`s (`t5x.to_t5lite`, `huggingface.to_t5lite`);
 before reading anything, and reads each array straight into its target
 sharding.
 
-Callers ask `checkpoint_format(path)` whether a restore path is foreign and,
-if so, call `load_params` instead of restoring an Orbax checkpoint of
-t5lite's own. A T5X run's Adafactor state continues in t5lite's Adafactor
+Callers ask `checkpoints.open_checkpoint(path)` what a path holds (it asks
+`checkpoint_format` and `checkpoint_step` here) and, for a foreign one,
+call `load_params` instead of restoring an Orbax checkpoint of t5lite's own. A T5X run's Adafactor state continues in t5lite's Adafactor
 (`load_t5x_adafactor`): its statistics are matched to t5lite's by meaning
 (which dimensions are rows and columns) and refused when they do not fit.
 `t5x_recipe` reads a T5X run's config.gin for `t5lite-import`.
