@@ -26,6 +26,7 @@ import glob
 import importlib.util
 import json
 import os
+from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -168,13 +169,15 @@ def _check_metrics(metrics: object) -> tuple[str, ...]:
   return tuple(metrics)
 
 
-def _spec(name: object, splits: object, inputs_field: object, targets_field: object,
-          vocabulary: seqio.Vocabulary | None, format: object, strip: object,
-          inputs_prefix: object, metrics: object) -> FileTaskSpec:
-  """The checked declaration, or a UserError naming the first bad argument."""
+def _spec(declared: dict[str, Any]) -> FileTaskSpec:
+  """The checked declaration (`register_file_task`'s arguments by name), or a
+  UserError naming the first bad argument."""
+  name, inputs_field, vocabulary = (declared["name"], declared["inputs_field"],
+                                    declared["vocabulary"])
+  format, strip, inputs_prefix = declared["format"], declared["strip"], declared["inputs_prefix"]
   if not isinstance(name, str) or not name:
     raise UserError(f"A file task needs a name (a non-empty string), got {name!r}.")
-  _check_fields(inputs_field, targets_field)
+  _check_fields(inputs_field, declared["targets_field"])
   if format is not None and format not in FORMATS:
     raise UserError(f"Unknown file format {format!r}; use one of {', '.join(FORMATS)}, or "
                     "None to read each file's extension.")
@@ -188,10 +191,11 @@ def _spec(name: object, splits: object, inputs_field: object, targets_field: obj
   if inputs_prefix and inputs_field is None:
     raise UserError("inputs_prefix needs an inputs_field; a task without one has targets only.")
   return FileTaskSpec(
-      name=name, splits=_check_splits(splits), inputs_field=inputs_field,
-      targets_field=targets_field,
+      name=name, splits=_check_splits(declared["splits"]), inputs_field=inputs_field,
+      targets_field=declared["targets_field"],
       vocabulary=vocabulary if vocabulary is not None else vocabularies.byte_vocabulary(),
-      format=format, strip=strip, inputs_prefix=inputs_prefix, metrics=_check_metrics(metrics))
+      format=format, strip=strip, inputs_prefix=inputs_prefix,
+      metrics=_check_metrics(declared["metrics"]))
 
 
 # ---------------------------------------------------------------------------
@@ -434,8 +438,9 @@ def register_file_task(name: str,
       by file and line); a split without examples; a name taken by another
       task, or by a file task declared with other settings.
   """
-  spec = _spec(name, splits, inputs_field, targets_field, vocabulary, format, strip,
-               inputs_prefix, metrics)
+  spec = _spec(dict(name=name, splits=splits, inputs_field=inputs_field,
+                    targets_field=targets_field, vocabulary=vocabulary, format=format,
+                    strip=strip, inputs_prefix=inputs_prefix, metrics=metrics))
   _check_name_free(spec)
   files = _files(spec)
   fingerprint = _fingerprint(files)
