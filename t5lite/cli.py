@@ -575,8 +575,6 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     _stop(stop.exit_code, one_line(stop))
   except OSError as error:  # a failed write or read of the disk, not the input
     _stop(IO_ERROR_EXIT, one_line(error))
-  except compilation_cache.StaleProgramError as error:  # explained in full, no traceback
-    _stop(1, one_line(error))
   except Exception as error:
     traceback.print_exc()
     distributed.blame_lost_peer(error)
