@@ -15,8 +15,9 @@ A launch's first step ends when that step's summary is written, so
 launch-to-first-step is the event's wall time minus the time the process
 was started. The report gives the median of each (all runs in brackets),
 warm and restart over cold, and the programs each launch loaded from the
-cache and compiled, and whether it loaded its training pipeline (the
-summary line `t5lite-train` prints). The JSON lands
+cache and compiled (the summary line `t5lite-train` prints; a "p" after
+them where a version before 2026-12-05 loaded its training pipeline from
+its store). The JSON lands
 in benchmarks/results/startup-<time>.json.
 
   .venv/bin/python benchmarks/startup.py
@@ -247,7 +248,7 @@ def main() -> None:
     print(f"  {gin_file}: cold {text(seconds['cold'])}, warm {text(seconds['warm'])} "
           f"x{r['warm_over_cold']:.2f}, restart {text(seconds['restart'])} "
           f"x{r['restart_over_cold']:.2f}; programs loaded+compiled (p: the training "
-          "pipeline loaded) "
+          "pipeline loaded from a store) "
           + ", ".join(f"{kind} {programs(kind)}" for kind in KINDS))
   print(f"results: {output}")
 
