@@ -571,8 +571,6 @@ def _run(entry: Callable[[], Callable[..., object]]) -> None:
     _stop(stop.exit_code, console.one_line(stop))
   except write_errors.WriteError as error:  # a failed write under MODEL_DIR, not the input
     _stop(IO_ERROR_EXIT, console.one_line(error))
-  except compilation_cache.StaleProgramError as error:  # explained in full, no traceback
-    _stop(1, console.one_line(error))
   except Exception as error:
     traceback.print_exc()
     distributed.blame_lost_peer(error)

@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5lite import compilation_cache
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
@@ -160,14 +159,10 @@ class TrainData:
                                                          (layout.shard_id + 1) * rows)
     self._make = functools.partial(datasets.get_dataset, cfg, *shard,
                                    model.FEATURE_CONVERTER_CLS, num_epochs=None)
-    # What the pipeline is built from beyond the run's gin config (the key of
-    # its graph in the program store).
-    self._describe = (cfg, shard, model.FEATURE_CONVERTER_CLS.__qualname__,
-                      datasets.read_locations())
     self._global_batch = cfg.batch_size
     # The batches' features as the model declares them (what its feature
     # converter makes of these lengths), known before the pipeline is built:
-    # the train step is loaded or compiled for them while it builds, and the
+    # the train step is compiled for them while it builds, and the
     # pipeline is checked against them once built.
     shapes, types = model.input_shapes_and_types(cfg.task_feature_lengths, cfg.pack)
     self._features = {k: ((cfg.batch_size,) + tuple(shapes[k][1:]), np.dtype(types[k]))
@@ -268,9 +263,7 @@ class TrainData:
     import tensorflow as tf  # the pipeline is tf.data already; imported where used
     options = tf.data.Options()
     options.experimental_optimization.noop_elimination = False
-    ds = compilation_cache.load_or_build_pipeline("train", self._make,
-                                                  self._describe)
-    ds = ds.skip(num_batches).with_options(options)
+    ds = self._make().skip(num_batches).with_options(options)
     self._check_features(ds.element_spec)
     self._ds = _leave_cores_to_the_step(ds)
     self._iterator = iter(self._ds)

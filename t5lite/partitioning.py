@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from t5lite import axis_names as ax
-from t5lite import compilation_cache
 from t5lite import tree_paths
 from t5lite.errors import UserError
 
@@ -365,8 +364,8 @@ class Partitioner:
 
 
   def partition(self, fn: Callable[..., Any], in_shardings: Any, out_shardings: Any,
-                donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = (),
-                program: tuple | None = None, like: Any = None) -> "Partitioned":
+                donate_argnums: Sequence[int] = (), static_argnums: Sequence[int] = ()
+                ) -> "Partitioned":
     """Jits `fn` with shardings; calls run under this mesh and rules.
 
     Args:
@@ -374,20 +373,13 @@ class Partitioner:
       in_shardings / out_shardings: trees of `NamedSharding` (or None).
       donate_argnums: arguments whose buffers the result may reuse.
       static_argnums: arguments treated as compile-time constants.
-      program: (name, *constants) keeps the program compiled for the first
-        call in the program store (see `compilation_cache`), under a key of
-        the run's config and these constants: every Python value `fn` bakes
-        in that its gin config does not give. None: JAX's cache alone.
-      like: a tree sharing the static node data of `fn`'s outputs, when its
-        arguments do not (see `compilation_cache.load_or_compile`).
 
     Returns:
       A `Partitioned`, called with the same arguments as `fn`.
     """
     return Partitioned(self, jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                                      donate_argnums=tuple(donate_argnums),
-                                     static_argnums=tuple(static_argnums)),
-                       program=program, like=like)
+                                     static_argnums=tuple(static_argnums)))
 
 
 class Partitioned:
@@ -398,43 +390,26 @@ class Partitioned:
     jitted: the `jax.jit` function itself (its compilation cache, for tests).
   """
 
-  def __init__(self, partitioner: Partitioner, jitted: Any, program: tuple | None = None,
-               like: Any = None):
+  def __init__(self, partitioner: Partitioner, jitted: Any):
     self._partitioner = partitioner
     self.jitted = jitted
-    self._program = program
-    self._like = like
-    # From the program store: None until the first call, False when off.
-    self._compiled: Any = None if program is not None else False
+    # What `prepare` compiled for calls like its arguments: None before,
+    # False once a call did not fit it (calls then go through `jitted`).
+    self._compiled: Any = None
 
   def prepare(self, *args: Any) -> None:
-    """Loads or compiles the stored program for calls like `args` now, not at
-    the first call (e.g. while the first batch is still being built); args
-    may be `jax.ShapeDtypeStruct`s with shardings. A no-op after the first
-    call or without a program name."""
+    """Compiles the program for calls like `args` now, not at the first call
+    (e.g. while the first batch is still being built); args may be
+    `jax.ShapeDtypeStruct`s with shardings. The compile goes through JAX's
+    persistent cache like any other. A no-op once prepared."""
     if self._compiled is None:
-      name, *constants = self._program
-      self._compiled = compilation_cache.load_or_compile(
-          name, tuple(constants), args, self.lower, self._like) or False
-
-  def preload(self, *args: Any) -> None:
-    """Starts reading the stored program for calls like `args` (which may be
-    `jax.ShapeDtypeStruct`s with shardings) on a background thread, for
-    `prepare` or the first call to take (see `compilation_cache.preload`)."""
-    if self._compiled is None:
-      name, *constants = self._program
-      compilation_cache.preload(name, tuple(constants), args, self._like)
+      self._compiled = self.lower(*args).compile()
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if self._compiled is None:
-      if kwargs:
-        self._compiled = False
-      else:
-        self.prepare(*args)
-    if self._compiled:
+    if self._compiled and not kwargs:
       try:
-        return self._compiled(*args, **kwargs)
-      except TypeError:  # other shapes or shardings than the first call's: jit them
+        return self._compiled(*args)
+      except TypeError:  # other shapes or shardings than prepared for: jit them
         self._compiled = False
     with self._partitioner.activate():
       return self.jitted(*args, **kwargs)

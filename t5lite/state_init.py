@@ -161,8 +161,7 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
                                               specs.shardings.state_dict())
   # Init under jit with output shardings: a large model is created already
   # split over the devices, never whole on one.
-  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings,
-                               program=("init",), like=specs.abstract)
+  init = partitioner.partition(init_fn, in_shardings=None, out_shardings=specs.shardings)
   unfinished = [s for s in checkpointer.unfinished_steps()
                 if start.kind != "resume" or s > start.step]
   if unfinished:

@@ -24,7 +24,6 @@ import jax
 
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
-from t5lite import compilation_cache
 from t5lite import interop
 from t5lite import metrics as metrics_lib
 from t5lite import report
@@ -92,7 +91,6 @@ def _write_stats(loop: _Loop, step: int, pending: list) -> actions_lib.Stop | No
 def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None:
   """Train-eval and inference eval at `step`, then their actions."""
   stop = None
-  compilation_cache.verify_loaded(wait=True)  # as for a checkpoint (see _save)
   evaluator, infer_evaluator = loop.evaluators.get()
   if evaluator:
     results = evaluator.evaluate(step, params)
@@ -106,18 +104,10 @@ def evaluate_all(loop: _Loop, step: int, params: Any) -> actions_lib.Stop | None
   return stop
 
 
-def _save(loop: _Loop, step: int, state: TrainState) -> None:
-  """Checkpoints `step`, once every program loaded from the program store
-  is known to be what this code compiles (nothing a stale one computed is
-  ever saved)."""
-  compilation_cache.verify_loaded(wait=True)
-  loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
-
-
 def _end_of_epoch(loop: _Loop, step: int, state: TrainState) -> actions_lib.Stop | None:
   """Checkpoint, evaluate and collect garbage when their periods come due."""
   if loop.periods.saves_at(step, loop.total_steps):
-    _save(loop, step, state)
+    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   stop = None
   if loop.periods.evaluates_at(step, loop.total_steps):
     stop = evaluate_all(loop, step, state.params)
@@ -155,10 +145,6 @@ def run_epochs(loop: _Loop, state: TrainState, start_step: int
       if jax.process_count() > 1 and stops.any_process_preempted(pending):
         _preempt(loop, step, state, pending)
       stop = _write_stats(loop, step, pending)
-      # Programs loaded from the store are checked while training goes on,
-      # once the first steps have run (they would otherwise share the CPU
-      # with the first step); a checkpoint waits for the checks (see _save).
-      compilation_cache.verify_loaded(wait=False)
       if stop:
         return _stop(loop, step, state, stop)
     stop = _end_of_epoch(loop, step, state)
@@ -173,7 +159,7 @@ def _stop(loop: _Loop, step: int, state: TrainState, stop: actions_lib.Stop
   if not stop.save:
     raise Diverged(stop_message(f"at step {step}: {stop.reason}", loop.checkpointer.all_steps()))
   if loop.periods.checkpoint:
-    _save(loop, step, state)
+    loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   metrics_lib.log_line(f"Stopped at step {step}: {stop.reason}.")
   return state, step, stop
 
@@ -190,7 +176,7 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
     pending.append(step_metrics)
   if pending:
     _write_stats(loop, step, pending)  # also refuses to save a diverged state
-  _save(loop, step, state)
+  loop.checkpointer.save(step, state.state_dict(), loop.data.iterator)
   raise (Interrupted if stops.INTERRUPTED.is_set() else Preempted)(step)
 
 
@@ -402,10 +388,7 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
     interop.check_t5x_adafactor_fits(restore.path, specs.abstract.params,
                                      state_init.t5x_adafactor_slots(specs.abstract.opt_state))
   checkpointer = ckpt_lib.Checkpointer(run.model_dir, run.checkpoint_cfg.save)
-  # A stored train step is read while the state is initialised or restored.
   step_fn = trainer.compile_train_step(specs.shardings, data.shardings)
-  step_fn.preload(ckpt_lib.abstract_with_shardings(specs.abstract, specs.shardings),
-                  data.abstract_batch())
   state, start = state_init.init_or_restore(
       specs=specs, init_fn=init_fn, partitioner=partitioner, checkpointer=checkpointer,
       restore_cfg=restore, seed=run.seed, start=planned, data=data)
@@ -413,7 +396,6 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
   if start >= end:  # a rerun of a finished job leaves its config.gin as it was
     metrics_lib.log_line(f"Already at step {start} (target {end}); nothing to train.")
     data.close()  # the pipeline a restart builds in the background, never used
-    compilation_cache.drop_preloads()  # and the train step read ahead
     checkpointer.close()
     return start, state
   # Only now, with the checkpoint known to fit the model, is anything written.
@@ -440,7 +422,6 @@ def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainStat
         state, end, _ = _stop(loop, start, state, stop)
       else:
         state, end, _ = run_epochs(loop, state, start)
-      compilation_cache.verify_loaded(wait=True)
   except BaseException as error:
     _close(loop, failing=error)
     raise

@@ -250,13 +250,9 @@ class Trainer:
     def step(state, batch):
       return train_step(state, batch, model=self.model, dropout_seed=self.dropout_seed,
                         num_microbatches=self.num_microbatches)
-    # The seed is baked into the program (and may come from the clock), so
-    # the program store keys on it beside the run's config.
     return self.partitioner.partition(step, in_shardings=(state_shardings, batch_shardings),
                                       out_shardings=(state_shardings, None),
-                                      donate_argnums=(0,),
-                                      program=("train_step", type(self).__qualname__,
-                                               self.dropout_seed, self.num_microbatches))
+                                      donate_argnums=(0,))
 
   def compile_eval_step(self, params_shardings: Any, batch_shardings: Any) -> Any:
     """Returns `step(params, batch) -> {name: clu metric}`, jitted."""

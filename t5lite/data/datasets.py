@@ -29,8 +29,7 @@ from t5lite.errors import UserError
 # counter while it traces a pipeline (`seqio.utils.map_seed_manager`), so two
 # pipelines traced at once on two threads would take each other's seeds.
 # t5lite traces pipelines on background threads (the training data, the
-# evaluators, the check of a pipeline loaded from the store): each such
-# trace holds this lock.
+# evaluators): each such trace holds this lock.
 TRACING = threading.RLock()
 
 # Longest list of registered names an error message prints in full.
@@ -290,14 +289,6 @@ def validate_dataset_config(cfg: DatasetConfig, num_shards: int = 1) -> None:
   _check_split(provider, cfg.split)
   _check_feature_lengths(provider, cfg.task_feature_lengths)
   _check_span_corruption(provider, cfg.task_feature_lengths)
-
-
-def read_locations() -> tuple:
-  """Where SeqIO reads beyond what a task defines: the TFDS data directory
-  (t5lite's --tfds_data_dir, else $TFDS_DATA_DIR) and the extra cache
-  directories (--seqio_additional_cache_dirs)."""
-  return (getattr(seqio.utils, "_TFDS_DATA_DIR_OVERRIDE", None), os.environ.get("TFDS_DATA_DIR"),
-          tuple(seqio.utils.get_global_cache_dirs()))
 
 
 def _as_int32(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
