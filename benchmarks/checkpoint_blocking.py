@@ -22,14 +22,13 @@ import sys
 import tempfile
 import time
 
-import gin
 import jax
 import numpy as np
 
-from t5lite import checkpoints
-from t5lite import cli
-from t5lite import metrics
+import gin
+from t5lite import checkpoints, cli, metrics
 from t5lite import train as train_lib
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from t5lite import metrics
 
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 # TensorFlow (the event reader here, the data pipeline in the runs) keeps its
 # C++ start-up logs to itself, as t5lite's commands make it.

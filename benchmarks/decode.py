@@ -25,12 +25,13 @@ import sys
 import time
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from t5lite import decoding
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -22,10 +22,12 @@ import os
 import sys
 import tempfile
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import run as bench  # noqa: E402
+
 
 CONFIG = "transformer.TransformerConfig"
 # name -> gin bindings applied on top of the config.

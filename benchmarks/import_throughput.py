@@ -43,23 +43,24 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 import optax
 from safetensors import numpy as safetensors_numpy
 
+import gin
 from t5lite import interop, tree_paths
 from t5lite.data import vocabularies
 from t5lite.interop import huggingface
-from t5lite.models import models
-from t5lite.models import transformer
+from t5lite.models import models, transformer
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import run as bench  # noqa: E402
+
 
 _INIT_SHAPES = {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8),
                 "decoder_target_tokens": (1, 8)}

@@ -23,13 +23,12 @@ import json
 import os
 from typing import Any
 
-import gin
 import jax
 
-from t5lite import cli
-from t5lite import dry_run
-from t5lite import state_init
+import gin
+from t5lite import cli, dry_run, state_init
 from t5lite import train as train_lib
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

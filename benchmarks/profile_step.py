@@ -23,10 +23,12 @@ import time
 
 import jax
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import run as bench  # noqa: E402  (the benchmark's own model and step builder)
+
 
 # Profiler lines that wrap whole executions rather than single operations.
 _WRAPPERS = ("ThunkExecutor", "Await", "wait for completion")

@@ -19,11 +19,10 @@ import os
 import tempfile
 import time
 
-import gin
 import tensorflow as tf
 
-from t5lite import cli, partitioning
-from t5lite import feeder
+import gin
+from t5lite import cli, feeder, partitioning
 
 
 def _train_data() -> feeder.TrainData:

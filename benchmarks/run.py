@@ -49,17 +49,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite import cli
-from t5lite import feeder
-from t5lite import state_init
+import gin
+from t5lite import cli, feeder, state_init
 from t5lite import train as train_lib
 from t5lite.models import layers
 from t5lite.train_state import TrainState
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -56,6 +56,7 @@ from typing import Any
 
 from t5lite import metrics
 
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 # TensorFlow (the event reader here, the data pipeline in the runs) keeps its
 # C++ start-up logs to itself, as t5lite's commands make it.
@@ -241,7 +242,7 @@ def main() -> None:
   print(f"launch to first training step, {args.runs} run(s) each, median (all):")
   for gin_file, r in results.items():
     text = lambda s: f"{s['median']:.1f} s (" + ", ".join(f"{x:.1f}" for x in s["all"]) + ")"  # noqa: E731
-    programs = lambda kind: "/".join(  # noqa: E731
+    programs = lambda kind, r=r: "/".join(  # noqa: E731
         f"{x['loaded']}+{x['compiled']}" + ("p" * x.get("pipelines_loaded", 0))
         for x in r["runs"][kind])
     seconds = r["first_step_seconds"]

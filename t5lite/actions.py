@@ -19,10 +19,12 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
+
 import jax
 import numpy as np
 
 from t5lite.errors import UserError
+
 
 TaskMetrics = Mapping[str, Mapping[str, float]]
 

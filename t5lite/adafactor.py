@@ -45,6 +45,7 @@ import optax
 from t5lite import tree_paths
 from t5lite.errors import UserError
 
+
 ROW, COLUMN, BATCH, NONE = "row", "column", "batch", "none"
 # T5X's spellings of the four kinds (its `factor_name_to_factordim`).
 _KINDS = {"row": ROW, "col": COLUMN, "column": COLUMN, "batch": BATCH, "none": NONE,

@@ -24,10 +24,9 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 
-from t5lite import interop
-from t5lite import tree_paths
-from t5lite import write_errors
+from t5lite import interop, tree_paths, write_errors
 from t5lite.errors import UserError
+
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 _ITEM = "state"
@@ -849,7 +848,8 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
         problems.append(f"{_describe(path, source)} is missing from the checkpoint")
     elif saved[source] != shape:
       fresh.append(path)
-      line = f"{_describe(path, source)} is {saved[source]} in the checkpoint but {shape} in the model"
+      line = (f"{_describe(path, source)} is {saved[source]} in the checkpoint but {shape} "
+              "in the model")
       (problems if config.strict else warnings).append(line)
     else:
       sources[path] = source
@@ -889,8 +889,8 @@ def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndar
                                                  partial_restore=True))
   except _UNREADABLE as e:
     step_dir = os.path.dirname(state_dir)
-    raise _naming_other_steps(CheckpointReadError(
-        f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}"), os.path.dirname(step_dir)) from e
+    unreadable = CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}")
+    raise _naming_other_steps(unreadable, os.path.dirname(step_dir)) from e
   finally:
     checkpointer.close()
   return tree_paths.leaves_by_name(restored["params"])

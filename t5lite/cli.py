@@ -27,6 +27,7 @@ from absl import flags
 from t5lite import console, write_errors
 from t5lite.errors import UserError
 
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_multi_string("gin_file", [], "Gin files to parse, in order; later ones win.")
@@ -515,6 +516,7 @@ def check_jax_platforms_present(value: str | None) -> None:
   if not value or not value.strip():
     return
   import jax
+
   from t5lite import jax_internals
   reasons = [jax_internals.passed_over(p) for p in jax_internals.expand_platforms(value)]
   skipped = [r for r in reasons if r is not None]
@@ -625,6 +627,7 @@ def _training_stopped() -> type[Exception]:
 
 def _train_entry() -> Callable[..., object]:
   import functools
+
   import gin
   from t5lite import train as train_lib
   if FLAGS.dry_run:
@@ -783,6 +786,7 @@ def infer_main() -> None:
 
 def _export_entry() -> Callable[..., object]:
   import functools
+
   import gin
   from t5lite import evaluate
   configured = gin.get_configurable(evaluate.export_huggingface)

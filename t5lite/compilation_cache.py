@@ -43,6 +43,7 @@ import jax
 
 from t5lite import jax_internals
 
+
 ENV_DIRECTORY = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # The events JAX records for each compile that asks the cache, and each hit.

@@ -26,6 +26,7 @@ from absl import app, flags
 
 from t5lite.errors import UserError
 
+
 USER_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 

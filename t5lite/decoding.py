@@ -41,10 +41,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 from t5lite.errors import UserError
+
 
 Array = jax.Array
 Cache = Any

@@ -40,6 +40,7 @@ import jax
 from t5lite import jax_internals
 from t5lite.errors import UserError
 
+
 # Exit status of a process stopped because a peer stopped responding or the
 # job could not assemble (a peer's own failure passes on its status instead).
 PEER_LOST_EXIT = 4

@@ -43,12 +43,12 @@ from jax.extend import core as jax_core
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
 from t5lite import report as report_lib
-from t5lite import state_init
+from t5lite import state_init, train_eval
 from t5lite import train as train_lib
-from t5lite import train_eval
 from t5lite.data.datasets import DatasetConfig
 from t5lite.periods import Periods
 from t5lite.run_config import RunConfig
+
 
 # Longest list of steps printed in full; longer ones show their ends.
 _MAX_LISTED_STEPS = 8
@@ -240,7 +240,8 @@ def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types:
   def pullback_jaxpr(model):
     def residuals(params, batch):
       # Dropout on, as in training; the key is a traced input, not a constant.
-      loss = lambda p: model.loss_fn(p, batch, jax.random.key(0))[0]
+      def loss(p):
+        return model.loss_fn(p, batch, jax.random.key(0))[0]
       return jax.vjp(loss, params)[1]
     return jax.make_jaxpr(residuals)(abstract_params, batch).jaxpr
 

@@ -23,15 +23,14 @@ import numpy as np
 import seqio
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import inference
-from t5lite import interop
+from t5lite import inference, interop, state_init
 from t5lite import metrics as metrics_lib
-from t5lite import state_init
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_eval import TrainEvaluator
+
 
 EVALUATED_STEPS_FILE = "evaluated_steps.json"
 _MODES = ("specific", "latest", "all")

@@ -31,6 +31,7 @@ from absl import flags
 from t5lite import console
 from t5lite.errors import UserError
 
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("source", None, "A T5X checkpoint (checkpoint_<step>/ or the directory "
@@ -54,8 +55,7 @@ def import_gin() -> str:
   """
   from t5lite import checkpoints as ckpt_lib
   from t5lite import interop
-  from t5lite.interop import gin_file
-  from t5lite.interop import t5x_recipe
+  from t5lite.interop import gin_file, t5x_recipe
   if not FLAGS.source:
     raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
   source = os.path.abspath(FLAGS.source)

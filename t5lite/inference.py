@@ -29,6 +29,7 @@ from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
 
+
 INFERENCE_EVAL_DIR = "inference_eval"
 
 

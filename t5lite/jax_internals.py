@@ -82,6 +82,7 @@ def platforms_present() -> list[str]:
   accelerators first. It restarts JAX's backends, so it serves a message
   after a failed start, nothing else."""
   import logging
+
   import jax
   from jax._src import xla_bridge
   from jax.extend import backend
@@ -157,6 +158,7 @@ def compilation_cache_entry_files(directory: str, cache_key: str) -> tuple[str, 
   the entry and its access time (written only when the cache has a size
   limit)."""
   import os
+
   from jax._src import lru_cache
   return (os.path.join(directory, cache_key + lru_cache._CACHE_SUFFIX),  # noqa: SLF001
           os.path.join(directory, cache_key + lru_cache._ATIME_SUFFIX))  # noqa: SLF001

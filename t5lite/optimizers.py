@@ -46,6 +46,7 @@ from t5lite import adafactor as adafactor_lib
 from t5lite import tree_paths
 from t5lite.errors import UserError
 
+
 Schedule = optax.Schedule
 PathScales = Union[Mapping[str, float], Sequence[tuple[str, float]]]
 

@@ -25,6 +25,7 @@ from t5lite import axis_names as ax
 from t5lite import tree_paths
 from t5lite.errors import UserError
 
+
 MESH_AXES = ("data", "fsdp", "expert", "seq", "model")
 # The batch dimension is split over every mesh axis that does not split
 # parameters within a layer, so each device sees a distinct slice of data.
@@ -311,7 +312,8 @@ class Partitioner:
         parts = math.prod(self.mesh.shape[n] for n in names)
         if size % parts:
           raise UserError(
-              f"{tree_paths.path_name(path)} has shape {tuple(leaf.shape)} with logical axes {tuple(logical)}, but "
+              f"{tree_paths.path_name(path)} has shape {tuple(leaf.shape)} with logical axes "
+              f"{tuple(logical)}, but "
               f"its dimension of size {size} is split over mesh axes {names} of total size "
               f"{parts}; choose sizes it divides (e.g. NUM_MODEL_PARTITIONS or the model "
               "dimensions) or change the partitioning rules.")

@@ -10,11 +10,10 @@ import jax
 import numpy as np
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import compilation_cache
-from t5lite import inference
+from t5lite import compilation_cache, inference, state_init
 from t5lite import metrics as metrics_lib
-from t5lite import state_init
 from t5lite.feeder import TrainData
+
 
 if TYPE_CHECKING:
   from t5lite.models.models import BaseModel

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from t5lite import console, write_errors
 from t5lite.errors import UserError
 
+
 LOCK_FILE = "train.lock"
 HEARTBEAT_SECONDS = 30.0
 # Several missed heartbeats, and room for clock skew between hosts.

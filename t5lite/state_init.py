@@ -21,10 +21,8 @@ import numpy as np
 from jax.extend import core as jax_core
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import interop
+from t5lite import interop, optimizers, tree_paths
 from t5lite import metrics as metrics_lib
-from t5lite import optimizers
-from t5lite import tree_paths
 from t5lite.errors import UserError
 from t5lite.feeder import TrainData, fast_forward
 from t5lite.partitioning import Partitioner
@@ -41,7 +39,8 @@ class StateSpecs:
 
 
 def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
-                input_types: Mapping[str, Any]) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
+                input_types: Mapping[str, Any]
+                ) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
   """Abstract train state, its shardings, and the function that initialises it."""
   def boxed_and_state(rng):
     variables = model.get_initial_variables(rng, input_shapes, input_types)

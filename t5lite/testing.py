@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-
 from typing import Any
 
 import flax.linen as nn
@@ -21,6 +20,7 @@ import tensorflow as tf
 from t5lite import optimizers
 from t5lite.data import vocabularies
 from t5lite.models import models, transformer
+
 
 # Sizes differ on every axis so a swapped dimension fails loudly.
 TINY = dict(vocab_size=384, emb_dim=8, num_heads=4, head_dim=3, mlp_dim=16,

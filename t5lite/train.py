@@ -24,14 +24,8 @@ import jax
 
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
-from t5lite import interop
+from t5lite import interop, report, run_config, run_lock, state_init, stops, write_errors
 from t5lite import metrics as metrics_lib
-from t5lite import report
-from t5lite import run_config
-from t5lite import run_lock
-from t5lite import state_init
-from t5lite import stops
-from t5lite import write_errors
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceCheck, DivergenceLimits, stop_message

@@ -21,6 +21,7 @@ from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState
 
+
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 

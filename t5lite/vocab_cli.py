@@ -26,6 +26,7 @@ from absl import flags
 from t5lite import console
 from t5lite.errors import UserError
 
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_multi_string("input", [], "Text file or glob, one sentence or paragraph a line "

@@ -13,6 +13,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
+
 ADVICE = ("Free disk space or make the directory writable (a file in its place must go), "
           "then rerun the same command; it resumes from the newest complete checkpoint.")
 

@@ -24,6 +24,7 @@ from absl import app
 
 from t5lite import cli, console
 
+
 # The C++ start-up lines of TensorFlow and XLA stay off stderr, as in the CLI.
 with cli._native_start_up_logs_hidden():
   import jax

@@ -32,6 +32,7 @@ import numpy as np
 
 from t5lite import checkpoints, cli, console
 
+
 _ARRAYS = 48
 
 

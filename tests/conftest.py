@@ -10,10 +10,11 @@ import gc
 import os
 import tempfile
 
-import gin
 import pytest
 
+import gin
 from t5lite import cli
+
 
 # Every JAX program the tests compile, in this process and in the processes
 # they start (which inherit the environment), goes through one persistent

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 
 from t5lite.data import vocabularies
-from t5lite.models import models
-from t5lite.models import transformer
+from t5lite.models import models, transformer
+
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 T5X = os.path.join(DATA, "t5x")

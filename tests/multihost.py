@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from t5lite import testing
 
+
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

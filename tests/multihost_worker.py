@@ -18,6 +18,7 @@ import numpy as np
 
 from t5lite import distributed
 
+
 # The data pipeline (TensorFlow, seqio) loads only in `data` mode, so `hold`
 # processes start in a moment.
 DATA_CONFIG = dict(mixture_or_task_name="t5lite_span_corruption",
@@ -46,8 +47,7 @@ def _parse() -> argparse.Namespace:
 def _data() -> dict:
   from jax.experimental import multihost_utils
 
-  from t5lite import partitioning, testing
-  from t5lite import feeder
+  from t5lite import feeder, partitioning, testing
   from t5lite.data import datasets
   cfg = data_config()
   partitioner = partitioning.Partitioner(mesh_shape={"data": -1})

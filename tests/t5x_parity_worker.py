@@ -11,19 +11,15 @@ import os
 import subprocess
 import sys
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from t5lite import checkpoints as ckpt_lib
-from t5lite import cli
-from t5lite import optimizers
-from t5lite import partitioning
-from t5lite import state_init
+from t5lite import cli, interop, optimizers, partitioning, state_init, tree_paths
 from t5lite import trainer as trainer_lib
-from t5lite import tree_paths
-from t5lite import interop
 from t5lite.interop import t5x
+
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
 

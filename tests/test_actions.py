@@ -4,9 +4,9 @@ import math
 import os
 
 import pytest
+from test_cli import TINY, run_cli, scalars
 
 from t5lite import actions
-from test_cli import TINY, run_cli, scalars
 
 
 def _feed(action, values, task="t", metric="loss"):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from t5lite import adafactor
-from t5lite import optimizers
+from t5lite import adafactor, optimizers
 from t5lite.train_state import TrainState, state_logical_axes
+
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train", "adafactor.npz")
 with np.load(DATA, allow_pickle=False) as _f:

@@ -11,6 +11,7 @@ from tensorflow.python.autograph.core import config, config_lib
 
 from t5lite.data import autograph, datasets, tasks
 
+
 # (task, feature lengths, converter) covering every embedded kind of pipeline:
 # corpus span corruption, corpus LM, generated problems, a mixture.
 _PIPELINES = [

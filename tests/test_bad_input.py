@@ -4,11 +4,11 @@ import hashlib
 import os
 import subprocess
 
+import pytest
 from test_cli import BIN, TINY, run_cli
 
-import pytest
-
 from t5lite import testing
+
 
 # End-to-end: real processes and training runs (part of `make test`).
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import sys
 import time
 
 import pytest
-
 from test_cli import TINY, cli_env, run_cli
 
 from t5lite import checkpoints, cli, dry_run, metrics, write_errors
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "checkpoint_fault_worker.py")

@@ -5,9 +5,9 @@ import re
 import subprocess
 import sys
 
+import pytest
 from test_cli import REPO, TINY, run_cli
 
-import pytest
 
 # End-to-end: real processes and training runs (part of `make test`).
 pytestmark = pytest.mark.slow

@@ -3,10 +3,9 @@
 import os
 
 import numpy as np
-
+import pytest
 from test_cli import TINY, run_cli
 
-import pytest
 
 # End-to-end: real processes and training runs (part of `make test`).
 pytestmark = pytest.mark.slow

@@ -9,12 +9,11 @@ import sys
 import threading
 import time
 
-import gin
 import pytest
 
-from t5lite import cli
-from t5lite import metrics
-from t5lite import testing
+import gin
+from t5lite import cli, metrics, testing
+
 
 BIN = os.path.dirname(sys.executable)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,9 +4,10 @@ import os
 import subprocess
 
 import pytest
+from test_cli import BIN, TINY, run_cli
 
 from t5lite import cli
-from test_cli import BIN, TINY, run_cli
+
 
 HEADER = ("from __gin__ import dynamic_registration\n"
           "from t5lite import checkpoints\n"
@@ -178,6 +179,7 @@ def test_mesh_selector_flag_picks_the_partitioners_mesh_rule(tmp_path, clean_gin
 
 def test_flag_errors_are_one_line_with_the_closest_known_flag():
   from absl import flags
+
   from t5lite import console
   known = ["gin_file", "gin_bindings", "gin_search_paths", "helpshort"]
   line = console.flag_error_line(flags.UnrecognizedFlagError("gin_bindigs", "--gin_bindigs=x"),

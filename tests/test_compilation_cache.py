@@ -7,9 +7,10 @@ import sys
 
 import jax
 import pytest
+from test_cli import TINY, run_cli
 
 from t5lite import compilation_cache
-from test_cli import TINY, run_cli
+
 
 _SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
              "jax_persistent_cache_min_compile_time_secs",
@@ -183,9 +184,10 @@ def test_train_step_prepared_from_the_abstract_batch_serves_the_real_batches(cac
   from their shapes and shardings alone, through JAX's cache (which a second
   launch reads: see the CLI test above); the batches that then arrive run
   that program, not a second trace and compile by jit."""
+  from test_data import _config
+
   from t5lite import feeder, partitioning, testing
   from t5lite.data import tasks
-  from test_data import _config
   partitioner = partitioning.Partitioner(num_partitions=1)
   data = feeder.TrainData(testing.tiny_encoder_decoder(), _config(tasks.SPAN_CORRUPTION, pack=True),
                           partitioner, prefetch_batches=0)

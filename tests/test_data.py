@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 import seqio
 
-from t5lite.data import build_corpus
-from t5lite.data import datasets
-from t5lite.data import tasks
-from t5lite.data import vocabularies
+from t5lite.data import build_corpus, datasets, tasks, vocabularies
+
 
 CORPUS_TASKS = (tasks.SPAN_CORRUPTION, tasks.SPAN_CORRUPTION_SPM, tasks.LM, tasks.LM_SPM)
 ARITHMETIC_TASKS = (tasks.ARITHMETIC, tasks.ARITHMETIC_SPM)
@@ -440,8 +438,7 @@ def test_restarted_training_data_continues_the_uninterrupted_order(tmp_path):
   import jax
   import jax.numpy as jnp
 
-  from t5lite import checkpoints, partitioning, testing
-  from t5lite import feeder
+  from t5lite import checkpoints, feeder, partitioning, testing
   cfg = _config(tasks.SPAN_CORRUPTION, shuffle=True, pack=True)
 
   def train_data():
@@ -513,7 +510,8 @@ def test_pipelines_traced_at_once_on_threads_give_the_batches_each_gives_alone()
   alone = {name: first_batch(cfg) for name, cfg in (("train", train), ("held_out", held_out))}
   for _ in range(3):
     got: dict = {}
-    threads = [threading.Thread(target=lambda n=n, c=c: got.setdefault(n, first_batch(c)))
+    threads = [threading.Thread(
+        target=lambda n=n, c=c, got=got: got.setdefault(n, first_batch(c)))
                for n, c in (("train", train), ("held_out", held_out))]
     for thread in threads:
       thread.start()

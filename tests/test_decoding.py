@@ -11,7 +11,6 @@ import os
 import textwrap
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,12 +19,10 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5lite import decoding
-from t5lite import partitioning
-from t5lite import testing
-from t5lite.models import layers
-from t5lite.models import models
-from t5lite.models import transformer
+import gin
+from t5lite import decoding, partitioning, testing
+from t5lite.models import layers, models, transformer
+
 
 EOS = 1
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import benchmark_checks
 import pytest
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO)
                              for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
@@ -224,8 +225,9 @@ def _make(tokens: list[str], box: Sandbox) -> list[str]:
   must at least resolve (`make -n`)."""
   if tokens[1:] != ["train"]:
     return ["make", "--no-print-directory", "-n", *tokens[1:]]
-  printed = subprocess.run(["make", "--no-print-directory", "-n", "train"], cwd=box.root, capture_output=True,
-                           text=True, check=True, timeout=120).stdout.strip().splitlines()
+  printed = subprocess.run(["make", "--no-print-directory", "-n", "train"], cwd=box.root,
+                           capture_output=True, text=True, check=True,
+                           timeout=120).stdout.strip().splitlines()
   command = shlex.split(printed[-1])
   assert os.path.basename(command[0]) == "t5lite-train", printed
   return _shrink_t5lite(command, box)
@@ -361,7 +363,7 @@ def block_scripts(block: Block, box: Sandbox) -> list[Callable[[], str]]:
   for entry in CLUSTER_ONLY.get(block.doc, []):
     if entry.marker in block.text:
       script = cluster_script(block, entry, box)
-      return [lambda: script] if script else []
+      return [lambda script=script: script] if script else []
   if block.info.split()[:1] != ["sh"]:
     return []
   lines = logical_lines(block.text)

@@ -8,24 +8,21 @@ import os
 import re
 import subprocess
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cli import BIN, TINY
 
+import gin
 from t5lite import checkpoints as ckpt_lib
-from t5lite import cli
-from t5lite import dry_run
-from t5lite import state_init
-from t5lite import testing
+from t5lite import cli, dry_run, report, state_init, testing
+from t5lite import metrics as metrics_lib
 from t5lite import train as train_lib
 from t5lite.data import datasets
-from t5lite import metrics as metrics_lib
-from t5lite import report
 from t5lite.periods import compute_periods
 from t5lite.run_config import RunConfig
+
 
 MOE = ["--gin_file=gin/pretrain_moe.gin"]
 

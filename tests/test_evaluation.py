@@ -3,8 +3,8 @@
 import os
 
 import pytest
-
 from test_cli import TINY, run_cli, scalars
+
 
 MIX_MODULE = """
 import seqio
@@ -341,6 +341,7 @@ def test_invalid_utf8_names_the_file_and_line(tmp_path):
 
 def test_long_inputs_are_cut_like_training_and_counted_once(capsys):
   import seqio
+
   from t5lite import inference
   vocab = seqio.ByteVocabulary()
   texts = ["x" * 20, "", "short", "y" * 7, "z" * 8]

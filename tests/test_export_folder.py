@@ -16,13 +16,12 @@ import signal
 import stat
 import subprocess
 
-import pytest
-
-from t5lite.interop import hf_tokenizer
-from t5lite.interop import huggingface
-
 import interop_helpers as h
+import pytest
 from test_cli import BIN, cli_env, run_cli
+
+from t5lite.interop import hf_tokenizer, huggingface
+
 
 BYT5 = os.path.join(h.HF, "byt5")
 SOURCE = "/runs/a/checkpoints"

@@ -10,13 +10,12 @@ transformers itself wrote for the same spiece.model (make_reference.py).
 import json
 import os
 
+import interop_helpers as h
 import pytest
 
 from t5lite.data import vocabularies
-from t5lite.interop import hf_tokenizer
-from t5lite.interop import huggingface
+from t5lite.interop import hf_tokenizer, huggingface
 
-import interop_helpers as h
 
 T5_V1_0 = os.path.join(h.HF, "t5_v1_0")
 SPIECE = os.path.join(T5_V1_0, "spiece.model")

@@ -7,15 +7,14 @@ import os
 import sys
 import types
 
-import gin
 import pytest
 import seqio
-
-from t5lite import cli
-from t5lite.data import file_tasks
-from t5lite.data import tasks
-from t5lite.data import vocabularies
 from test_cli import REPO, TINY, run_cli, scalars
+
+import gin
+from t5lite import cli
+from t5lite.data import file_tasks, tasks, vocabularies
+
 
 LENGTHS = {"inputs": 16, "targets": 8}
 BYTES = vocabularies.byte_vocabulary()

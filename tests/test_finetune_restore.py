@@ -13,18 +13,18 @@ import shutil
 import threading
 import time
 
-import gin
 import jax
 import numpy as np
 import pytest
 
-from t5lite import checkpoints, cli, feeder, testing, tree_paths
-from t5lite import state_init
+import gin
+from t5lite import checkpoints, cli, feeder, state_init, testing, tree_paths
 from t5lite import train as train_lib
 from t5lite.checkpoints import CheckpointConfig, RestoreCheckpointConfig, SaveCheckpointConfig
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
 from t5lite.trainer import Trainer
+
 
 CFG = DatasetConfig("t5lite_span_corruption", {"inputs": 32, "targets": 16}, "train", 4, False, 0,
                     pack=True)

@@ -3,10 +3,11 @@
 import glob
 import os
 
-import gin
 import pytest
 
+import gin
 from t5lite import cli
+
 
 ROOT = cli.package_gin_root()
 FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "gin", "**", "*.gin"),

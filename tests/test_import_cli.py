@@ -12,15 +12,14 @@ import json
 import os
 import shutil
 
+import interop_helpers as h
 import numpy as np
 import pytest
+from test_cli import run_cli
 
-from t5lite import interop
-from t5lite import metrics
+from t5lite import interop, metrics
 from t5lite.interop import huggingface
 
-import interop_helpers as h
-from test_cli import run_cli
 
 BYT5 = os.path.join(h.HF, "byt5")
 SORT = ["--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'",

@@ -7,6 +7,7 @@ computed on a fixed batch (tests/data/hf/make_reference.py, run by hand).
 
 import os
 
+import interop_helpers as h
 import numpy as np
 import optax
 import pytest
@@ -14,10 +15,8 @@ import pytest
 from t5lite import interop
 from t5lite.data import vocabularies
 from t5lite.interop import huggingface
-from t5lite.models import models
-from t5lite.models import transformer
+from t5lite.models import models, transformer
 
-import interop_helpers as h
 
 FAMILIES = ["t5_v1_0", "t5_v1_1", "mt5", "byt5", "switch"]
 
@@ -40,7 +39,8 @@ def _reference(family):
 def _batch(ref):
   # transformers ran without a decoder mask: no decoder position is padding.
   ones = np.ones_like(ref["decoder_input_ids"])
-  return {"encoder_input_tokens": ref["input_ids"], "decoder_input_tokens": ref["decoder_input_ids"],
+  return {"encoder_input_tokens": ref["input_ids"],
+          "decoder_input_tokens": ref["decoder_input_ids"],
           "decoder_target_tokens": ones, "decoder_loss_weights": ones}
 
 

@@ -10,11 +10,11 @@ import json
 import os
 import textwrap
 
+import interop_helpers as h
 import pytest
 
 from t5lite import testing
 
-import interop_helpers as h
 
 _BODY = """
 import json, sys

@@ -7,19 +7,17 @@ T5X itself (see its README); nothing there was computed by t5lite.
 import json
 import shutil
 
+import interop_helpers as h
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import evaluate
-from t5lite import interop
-from t5lite.interop import lazy
-from t5lite.interop import t5x
+from t5lite import evaluate, interop
+from t5lite.interop import lazy, t5x
 from t5lite.partitioning import Partitioner
 
-import interop_helpers as h
 
 CASES = sorted(h.T5X_CHECKPOINTS)
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_cli import TINY, Child, run_cli, scalars
 
-import pytest
 
 # End-to-end: real processes and training runs (part of `make test`).
 pytestmark = pytest.mark.slow
@@ -100,8 +100,8 @@ def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(tmp_
 def checkpoint_state(step_dir):
   """Reads a checkpoint's whole train state (params, optimizer state, step)
   with plain Orbax (no t5lite), as (path, array) pairs."""
-  import orbax.checkpoint as ocp
   import jax
+  import orbax.checkpoint as ocp
   path = os.path.join(step_dir, "state")
   checkpointer = ocp.StandardCheckpointer()
   # Onto this process's first device, whatever mesh and process count saved it.

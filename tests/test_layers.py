@@ -12,6 +12,7 @@ import pytest
 from t5lite import axis_names as ax
 from t5lite.models import layers
 
+
 # Different size on every axis so that a swapped axis fails loudly.
 BATCH, Q_LEN, KV_LEN, EMBED, HEADS, HEAD_DIM, MLP = 2, 5, 7, 8, 4, 3, 16
 

@@ -16,6 +16,7 @@ import pytest
 from t5lite import trainer
 from t5lite.models import models
 
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train", "losses.npz")
 with np.load(DATA, allow_pickle=False) as _f:
   REF = dict(_f)

@@ -2,13 +2,14 @@
 
 import math
 
-import gin
 import numpy as np
 import pytest
 import seqio
 
+import gin
 from t5lite import cli, testing
 from t5lite.data import datasets
+
 
 LENGTHS = {"inputs": 8, "targets": 8}
 

@@ -25,13 +25,12 @@ two test workers.
 import glob
 import os
 
-import gin
 import pytest
 from test_dry_run import printed_counts, run_cli, train_arguments
 
-from t5lite import cli
-from t5lite import dry_run
-from t5lite import state_init
+import gin
+from t5lite import cli, dry_run, state_init
+
 
 PUBLISHED = {
     "t5_1_1_small": 76_961_152,        # google/t5-v1_1-small

@@ -11,8 +11,8 @@ import pytest
 import seqio
 
 from t5lite import axis_names as ax
-from t5lite.models import models
-from t5lite.models import transformer
+from t5lite.models import models, transformer
+
 
 # Different size on every axis so that a swapped axis fails loudly.
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP, BUCKETS = 32, 8, 4, 3, 16, 10

@@ -6,6 +6,7 @@ import os
 
 import t5lite
 
+
 PACKAGE = os.path.dirname(t5lite.__file__)
 
 

@@ -14,6 +14,7 @@ from t5lite import axis_names as ax
 from t5lite import optimizers, testing, trainer
 from t5lite.models import layers, models, moe, transformer
 
+
 # Different size on every axis so that a swapped axis fails loudly.
 BATCH, LENGTH, EMBED, EXPERTS, EXPERT_MLP = 3, 12, 8, 4, 16
 

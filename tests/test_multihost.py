@@ -20,6 +20,7 @@ from test_interruptions import assert_bitwise_equal, checkpoint_state
 
 from t5lite import distributed
 
+
 # Unshuffled, unpacked arithmetic problems (no random preprocessing): the
 # global batch holds the same examples whether 1 or 2 processes read it, so
 # the losses must agree. Only the row order inside a batch differs.
@@ -200,6 +201,7 @@ def test_each_process_places_its_rows_of_one_global_batch(tmp_path):
   # very batch one process reading everything gets (shuffled, packed and
   # span-corrupted alike), so the order does not depend on the process count.
   from multihost_worker import data_config
+
   from t5lite.data import datasets
   from t5lite.models import models
   whole = next(datasets.get_dataset(data_config(), 0, 1,

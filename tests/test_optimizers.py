@@ -4,15 +4,16 @@ import json
 import math
 import os
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import gin
 from t5lite import cli, metrics, optimizers, testing, trainer
 from t5lite.train_state import TrainState, state_logical_axes
+
 
 # A tiny tree with muP-relevant paths; matrices are factored when
 # min_dim_size_to_factor=2. Values differ everywhere so a mixed-up leaf shows.

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from t5lite import partitioning
-from t5lite import testing
+from t5lite import partitioning, testing
 
 
 def test_standard_rules_t5x_semantics():

@@ -5,8 +5,8 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5lite.data import preprocessors
-from t5lite.data import vocabularies
+from t5lite.data import preprocessors, vocabularies
+
 
 SEEDS = tf.constant([[1, 2], [3, 4]])
 

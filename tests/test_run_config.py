@@ -9,6 +9,7 @@ from t5lite import actions as actions_lib
 from t5lite import train as train_lib
 from t5lite.run_config import RunConfig
 
+
 RESOLVED = {"random_seed": "seed", "max_update_ratio": "divergence",
             "loss_spike_factor": "divergence", "loss_spike_window": "divergence"}
 

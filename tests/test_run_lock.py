@@ -9,10 +9,11 @@ import sys
 import time
 
 import pytest
-
-from t5lite import run_lock
 from test_bad_input import _snapshot
 from test_cli import TINY, run_cli
+
+from t5lite import run_lock
+
 
 # Holds the lock on argv[1] until its stdin closes; says "held" once it has it.
 HOLDER = """

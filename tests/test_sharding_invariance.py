@@ -17,6 +17,7 @@ import pytest
 
 from t5lite import testing
 
+
 # End-to-end: real processes on 8 fake devices (part of `make test`).
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,9 @@ import numpy as np
 import optax
 import pytest
 
-from t5lite import metrics
-from t5lite import testing
-from t5lite.models import layers
-from t5lite.models import transformer
+from t5lite import metrics, testing
+from t5lite.models import layers, transformer
+
 
 B, ENC_LEN, DEC_LEN = 3, 10, 6
 
@@ -312,8 +311,7 @@ def test_flops_agree_with_xla_where_matmuls_dominate():
 
 
 def _train_data(prefetch_batches):
-  from t5lite import feeder
-  from t5lite import partitioning
+  from t5lite import feeder, partitioning
   from t5lite.data.datasets import DatasetConfig
   testing.register_in_memory_task(
       "t5lite_speed_numbers", [{"inputs": f"number {i}", "targets": str(i)} for i in range(40)])
@@ -366,8 +364,9 @@ def test_prefetch_passes_errors_on_and_refuses_to_overlap():
 
 @pytest.mark.slow
 def test_the_loop_waits_for_the_device_only_at_stats_periods(tmp_path, monkeypatch):
-  import gin
   from jax._src import array
+
+  import gin
   from t5lite import cli
   from t5lite import train as train_lib
   gin.clear_config(clear_constants=True)

@@ -9,19 +9,16 @@ import inspect
 import json
 import os
 
-import gin
+import interop_helpers as h
 import jax
 import numpy as np
 import pytest
-
-from t5lite import cli
-from t5lite import interop
-from t5lite import optimizers
-from t5lite.interop import gin_file
-from t5lite.interop import t5x_recipe
-
-import interop_helpers as h
 from test_cli import run_cli
+
+import gin
+from t5lite import cli, interop, optimizers
+from t5lite.interop import gin_file, t5x_recipe
+
 
 ENCDEC_A = os.path.join(h.DATA, "t5x_train", "encdec_a")
 CHECKPOINT = os.path.join(ENCDEC_A, "checkpoint_0")

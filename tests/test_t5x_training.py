@@ -30,6 +30,7 @@ import sys
 import numpy as np
 import pytest
 
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
 WORKER = os.path.join(os.path.dirname(__file__), "t5x_parity_worker.py")
 

@@ -11,6 +11,7 @@ import pytest
 
 from t5lite import threads
 
+
 # 300 small functions: a parse long enough for the collector to run inside it.
 _LONG_SOURCE = "\n".join(f"def f{i}(a, b):\n  return [a + b * {i} for _ in range(3)]"
                          for i in range(300))

@@ -7,6 +7,7 @@ from jax.sharding import PartitionSpec as P
 from t5lite import optimizers
 from t5lite.train_state import TrainState, state_logical_axes
 
+
 PARAMS = {"dense": {"kernel": jnp.zeros((256, 384))},   # factored by adafactor
           "scale": jnp.zeros((384,)),
           "tall": {"kernel": jnp.zeros((512, 130))}}    # larger dim first

@@ -8,6 +8,7 @@ import pytest
 from t5lite import optimizers, partitioning, testing, trainer
 from t5lite.train_state import TrainState
 
+
 B, LI, LT = 8, 12, 7
 
 
@@ -95,6 +96,7 @@ def test_train_step_compiles_once(model_and_params):
   state = TrainState.create(jax.tree.map(jnp.copy, params), optimizers.adafactor(0.01),
                              axes)
   import flax.linen as nn
+
   from t5lite.train_state import state_logical_axes
   shapes = {k: (1,) + v.shape[1:] for k, v in _batch().items()}
   boxed = jax.eval_shape(lambda: model.get_initial_variables(jax.random.key(0), shapes))

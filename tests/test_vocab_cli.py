@@ -13,6 +13,7 @@ from test_cli import BIN, TINY
 
 from t5lite.data import build_corpus
 
+
 SENTENCE = "The quick brown fox jumps over the lazy dog, twice."
 
 

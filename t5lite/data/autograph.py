@@ -15,6 +15,7 @@ packing loops over tensors in Python.
 
 from __future__ import annotations
 
+
 # Modules whose map functions need no AutoGraph rewrite. A module listed here
 # by mistake fails loudly while the pipeline is traced (OperatorNotAllowedInGraphError),
 # never silently; tests/test_autograph.py checks that every embedded task

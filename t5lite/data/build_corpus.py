@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from t5lite.data import vocabularies
 from t5lite.errors import UserError
 
+
 CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "corpus"
 CORPUS_NAME = "stdlib_docs"
 SPLITS = ("train", "validation")

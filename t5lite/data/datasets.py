@@ -20,10 +20,10 @@ from collections.abc import Mapping
 import seqio
 import tensorflow as tf
 
-from t5lite.data import preprocessors
 # Importing tasks registers the embedded tasks.
-from t5lite.data import tasks
+from t5lite.data import preprocessors, tasks
 from t5lite.errors import UserError
+
 
 # SeqIO hands its random preprocessors their seeds from one process-wide
 # counter while it traces a pipeline (`seqio.utils.map_seed_manager`), so two

@@ -26,16 +26,16 @@ import glob
 import importlib.util
 import json
 import os
-from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import seqio
 import tensorflow as tf
 
-from t5lite.data import tasks
-from t5lite.data import vocabularies
+from t5lite.data import tasks, vocabularies
 from t5lite.errors import UserError
+
 
 FORMATS = ("tsv", "jsonl")
 _EXTENSIONS = {".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from t5lite.errors import UserError
 
+
 # Paragraphs concatenated per step before cutting into chunks: enough that
 # few chunks are cut short at a group's end, small enough to stay cheap.
 _CONCAT_GROUP_SIZE = 128

@@ -29,11 +29,9 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from t5lite.data import autograph
-from t5lite.data import build_corpus
-from t5lite.data import preprocessors
-from t5lite.data import vocabularies
+from t5lite.data import autograph, build_corpus, preprocessors, vocabularies
 from t5lite.errors import UserError
+
 
 SPAN_CORRUPTION = "t5lite_span_corruption"
 SPAN_CORRUPTION_SPM = "t5lite_span_corruption_spm"

@@ -14,10 +14,11 @@ import os
 import pathlib
 from collections.abc import Iterator, Sequence
 
-import seqio
 import sentencepiece as spm
+import seqio
 
 from t5lite.errors import UserError
+
 
 EXTRA_IDS = 100
 VOCAB_DIR = pathlib.Path(__file__).resolve().parent / "vocab"

@@ -10,7 +10,8 @@ sharding.
 
 Callers ask `checkpoints.open_checkpoint(path)` what a path holds (it asks
 `checkpoint_format` and `checkpoint_step` here) and, for a foreign one,
-call `load_params` instead of restoring an Orbax checkpoint of t5lite's own. A T5X run's Adafactor state continues in t5lite's Adafactor
+call `load_params` instead of restoring an Orbax checkpoint of t5lite's own.
+A T5X run's Adafactor state continues in t5lite's Adafactor
 (`load_t5x_adafactor`): its statistics are matched to t5lite's by meaning
 (which dimensions are rows and columns) and refused when they do not fit.
 `t5x_recipe` reads a T5X run's config.gin for `t5lite-import`.
@@ -27,11 +28,8 @@ import numpy as np
 
 from t5lite import tree_paths
 from t5lite.errors import UserError
-from t5lite.interop import gin_file
-from t5lite.interop import hf_tokenizer
-from t5lite.interop import huggingface
-from t5lite.interop import lazy
-from t5lite.interop import t5x
+from t5lite.interop import gin_file, hf_tokenizer, huggingface, lazy, t5x
+
 
 T5X = "t5x"
 HUGGING_FACE = "huggingface"

@@ -17,6 +17,7 @@ import dataclasses
 import textwrap
 from typing import Any
 
+
 ENCODER_DECODER = "encoder_decoder"
 DECODER_ONLY = "decoder_only"
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from t5lite.errors import UserError
 
+
 SPIECE = "spiece.model"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

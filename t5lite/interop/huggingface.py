@@ -3,8 +3,9 @@
 A folder is `config.json` plus `model.safetensors` (or shards listed in
 `model.safetensors.index.json`), and `spiece.model` for SentencePiece
 models. An export also writes `generation_config.json` and the tokenizer
-files (`hf_tokenizer`), every file readable as the umask allows. Weights are read with safetensors' numpy API, region by region (see
-`lazy`); a `pytorch_model.bin` is a pickle and is never loaded.
+files (`hf_tokenizer`), every file readable as the umask allows. Weights
+are read with safetensors' numpy API, region by region (see `lazy`); a
+`pytorch_model.bin` is a pickle and is never loaded.
 
 One table, `name_pairs`, says which Hugging Face arrays make each t5lite
 parameter and how (`_KINDS`); import reads it one way and export the other,
@@ -31,14 +32,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from t5lite import write_errors
 from t5lite.errors import UserError
-from t5lite.interop import hf_tokenizer
-from t5lite.interop import lazy
+from t5lite.interop import hf_tokenizer, lazy
+
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

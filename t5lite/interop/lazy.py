@@ -10,14 +10,15 @@ devices hold: no process ever reads the whole model unless it holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from t5lite.errors import UserError
+
 
 Index = tuple[slice, ...]
 

@@ -33,13 +33,13 @@ import os
 import re
 from typing import Any
 
-from flax import serialization
 import numpy as np
 import tensorstore as ts
+from flax import serialization
 
 from t5lite.errors import UserError
-from t5lite.interop import gin_file
-from t5lite.interop import lazy
+from t5lite.interop import gin_file, lazy
+
 
 _ATTENTIONS = ("attention", "self_attention", "encoder_decoder_attention")
 _STEP_DIR = re.compile(r"checkpoint_(\d+)$")

@@ -41,8 +41,7 @@ import re
 from typing import Any
 
 from t5lite.errors import UserError
-from t5lite.interop import gin_file
-from t5lite.interop import t5x
+from t5lite.interop import gin_file, t5x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,10 @@ prompt, then every step appends one position per example.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -41,6 +41,7 @@ import numpy as np
 
 from t5lite import axis_names as ax
 from t5lite.errors import UserError
+
 
 Array = jax.Array
 DType = Any

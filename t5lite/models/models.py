@@ -14,23 +14,22 @@ given targets (`score_batch`). All are pure functions of arrays, ready for
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
 import copy
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import seqio
+from flax import traverse_util
 
 from t5lite import decoding
 from t5lite.errors import UserError
-from t5lite.models import layers
-from t5lite.models import moe
-from t5lite.models import transformer
+from t5lite.models import layers, moe, transformer
+
 
 Array = jax.Array
 Batch = Mapping[str, Array]

@@ -66,6 +66,7 @@ from t5lite import axis_names as ax
 from t5lite.errors import UserError
 from t5lite.models import layers
 
+
 Array = jax.Array
 DType = Any
 

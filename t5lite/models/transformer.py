@@ -76,8 +76,8 @@ import jax.numpy as jnp
 
 from t5lite import axis_names as ax
 from t5lite.errors import UserError
-from t5lite.models import layers
-from t5lite.models import moe
+from t5lite.models import layers, moe
+
 
 Array = jax.Array
 

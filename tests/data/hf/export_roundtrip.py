@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/
 
@@ -27,6 +28,7 @@ import interop_helpers as h  # noqa: E402
 import test_interop_hf as hf_tests  # noqa: E402
 
 from t5lite import interop  # noqa: E402
+
 
 OUT = os.path.join(HERE, "roundtrip")
 

@@ -118,10 +118,19 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForSeq2SeqLM, ByT5Tokenizer, MT5Config,
-                          MT5ForConditionalGeneration, PreTrainedModel, SwitchTransformersConfig,
-                          SwitchTransformersForConditionalGeneration, T5Config,
-                          T5ForConditionalGeneration, T5Tokenizer)
+from transformers import (
+  AutoModelForSeq2SeqLM,
+  ByT5Tokenizer,
+  MT5Config,
+  MT5ForConditionalGeneration,
+  PreTrainedModel,
+  SwitchTransformersConfig,
+  SwitchTransformersForConditionalGeneration,
+  T5Config,
+  T5ForConditionalGeneration,
+  T5Tokenizer,
+)
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))

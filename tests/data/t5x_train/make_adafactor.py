@@ -22,12 +22,13 @@ Rerun (T5X importable, e.g. PYTHONPATH=/path/to/t5x):
 import json
 import os
 
-from flax.core import freeze, unfreeze
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import freeze, unfreeze
 from t5x import adafactor
 from t5x.contrib.moe import adafactor_utils
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

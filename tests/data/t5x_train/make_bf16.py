@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import t5x_replay as run  # noqa: E402
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from t5x import losses
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 MODES = [None, 4.0, "NUM_REAL_TARGET_TOKENS", "NUM_TOTAL_TARGET_TOKENS", "AVERAGE_PER_SEQUENCE"]

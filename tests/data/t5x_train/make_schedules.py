@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from t5x import utils
 
+
 STEPS = [0, 1, 5, 99, 100, 101, 500, 1000, 1001, 5000, 20000, 100000]
 
 _DEFAULTS = dict(

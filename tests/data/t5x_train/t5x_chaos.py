@@ -38,8 +38,10 @@ import sys
 import jax
 import numpy as np
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import t5x_replay as run  # noqa: E402
+
 
 SEEDS = tuple(range(8))
 CKPT_STEPS = (10, 30)

@@ -22,17 +22,15 @@ import dataclasses
 import os
 import tempfile
 
-from absl import logging
 import jax
 import numpy as np
 import seqio
-from t5x import adafactor
-from t5x import models
-from t5x import partitioning
+from absl import logging
+from t5x import adafactor, models, partitioning, utils
 from t5x import trainer as trainer_lib
-from t5x import utils
 from t5x.examples.decoder_only import network as decoder_only_network
 from t5x.examples.t5 import network as t5_network
+
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The encdec_a run: beside this file when present, else the shared fixtures.

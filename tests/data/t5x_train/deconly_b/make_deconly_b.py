@@ -33,9 +33,11 @@ import tempfile
 
 import numpy as np
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import t5x_replay as replay  # noqa: E402
+
 
 NUM_STEPS = 20
 CHECKPOINT_STEPS = (0, 10, 20)
