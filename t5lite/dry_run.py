@@ -34,7 +34,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import jax
 import numpy as np
@@ -48,6 +48,10 @@ from t5lite import train as train_lib
 from t5lite.data.datasets import DatasetConfig
 from t5lite.periods import Periods
 from t5lite.run_config import RunConfig
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
 
 # Longest list of steps printed in full; longer ones show their ends.
@@ -137,7 +141,7 @@ def describe(run: RunConfig) -> Report:
   specs, _ = state_init.state_specs(model, partitioner, shapes, types)
   partitioner.check_divisible(specs.abstract, specs.logical)
   rows = state_init.param_rows(specs, partitioner)
-  microbatches = getattr(trainer, "num_microbatches", None) or 1
+  microbatches = trainer.num_microbatches or 1
   per_device = train_dataset_cfg.batch_size // partitioner.batch_size_divisor()
   examples = max(1, per_device // microbatches)
   activations = activation_bytes(model, shapes, types, specs.abstract.params, examples)
@@ -175,7 +179,7 @@ def _expert_params(rows: Sequence[state_init.ParamRow]) -> int:
   return sum(math.prod(r.shape) for r in rows if ax.EXPERT in r.logical)
 
 
-def _active_params(model: Any, rows: Sequence[state_init.ParamRow]) -> int | None:
+def _active_params(model: BaseModel, rows: Sequence[state_init.ParamRow]) -> int | None:
   """Parameters one token passes through: experts count k / num_experts."""
   config = getattr(model.module, "config", None)
   experts = getattr(config, "num_experts", 0)
@@ -186,7 +190,7 @@ def _active_params(model: Any, rows: Sequence[state_init.ParamRow]) -> int | Non
   return total - expert + expert * config.num_selected_experts // experts
 
 
-def _model_name(model: Any) -> str:
+def _model_name(model: BaseModel) -> str:
   vocab = model.output_vocabulary
   rows = getattr(getattr(model.module, "config", None), "vocab_size", None)
   return (f"{type(model).__name__} ({type(model.module).__name__}), "
@@ -211,8 +215,8 @@ def sharded_bytes(abstract: Any, shardings: Any) -> int:
              for a, s in zip(leaves, placed))
 
 
-def activation_bytes(model: Any, input_shapes: Mapping[str, tuple], input_types: Mapping[str, Any],
-                     abstract_params: Any, examples: int) -> int:
+def activation_bytes(model: BaseModel, input_shapes: Mapping[str, tuple],
+                     input_types: Mapping[str, Any], abstract_params: Any, examples: int) -> int:
   """Bytes of the tensors the backward pass keeps, for `examples` examples.
 
   Traces (never compiles) the training loss under `jax.vjp` and adds up

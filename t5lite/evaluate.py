@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -30,6 +30,10 @@ from t5lite.data.datasets import DatasetConfig
 from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_eval import TrainEvaluator
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
 
 EVALUATED_STEPS_FILE = "evaluated_steps.json"
@@ -75,7 +79,7 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str, int],
+def _params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping[str, int],
                      opened: ckpt_lib.OpenedCheckpoint):
   """Returns (params shardings, restore(step) -> params) for the checkpoint(s) `opened`."""
   specs, _ = state_init.state_specs(model, partitioner,
@@ -93,7 +97,7 @@ def _params_restorer(model: Any, partitioner: Partitioner, lengths: Mapping[str,
   return specs.shardings.params, restore
 
 
-def evaluate(*, model: Any, dataset_cfg: DatasetConfig, partitioner: Partitioner,
+def evaluate(*, model: BaseModel, dataset_cfg: DatasetConfig, partitioner: Partitioner,
              restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig, output_dir: str,
              train_eval_dataset_cfg: DatasetConfig | None = None,
              trainer_cls: Any = None, eval_steps: int = 20,
@@ -235,7 +239,7 @@ def _text(example: Mapping[str, Any], key: str, vocabulary: seqio.Vocabulary) ->
   return vocabulary.decode([int(t) for t in example[key]])
 
 
-def _predict_examples(model: Any, runner: inference.BatchRunner, params: Any, examples: Any,
+def _predict_examples(model: BaseModel, runner: inference.BatchRunner, params: Any, examples: Any,
                       lengths: Mapping[str, int]) -> list[tuple[str, float]]:
   """Decoded predictions and their scores for unbatched token examples."""
   converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
@@ -250,7 +254,7 @@ def _predict_examples(model: Any, runner: inference.BatchRunner, params: Any, ex
   return [(vocabulary.decode(inference.token_list(t)), float(s)) for _, (t, s) in rows]
 
 
-def infer(*, model: Any, partitioner: Partitioner,
+def infer(*, model: BaseModel, partitioner: Partitioner,
           restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig, output_dir: str,
           task_feature_lengths: Mapping[str, int], batch_size: int,
           mixture_or_task_name: str | None = None, split: str = "validation",
@@ -316,7 +320,7 @@ def infer(*, model: Any, partitioner: Partitioner,
 
 
 def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, float]],
-                       model: Any) -> None:
+                       model: BaseModel) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:
     for example, (prediction, score) in zip(examples.as_numpy_iterator(), predictions):
@@ -328,7 +332,7 @@ def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, fl
   os.replace(path + ".tmp", path)
 
 
-def export_huggingface(*, model: Any, partitioner: Partitioner,
+def export_huggingface(*, model: BaseModel, partitioner: Partitioner,
                        restore_checkpoint_cfg: ckpt_lib.RestoreCheckpointConfig,
                        output_dir: str, overwrite: bool = False) -> list[str]:
   """Writes a checkpoint's model as a Hugging Face folder (`t5lite-export`).

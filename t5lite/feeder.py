@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -25,6 +25,10 @@ from t5lite.data.datasets import DatasetConfig
 from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.threads import Background
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
 
 def global_batches(ds: Any, partitioner: Partitioner, global_batch: int) -> Iterator[dict]:
@@ -145,7 +149,7 @@ class TrainData:
       when the loop asks for it.
   """
 
-  def __init__(self, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
+  def __init__(self, model: BaseModel, cfg: DatasetConfig, partitioner: Partitioner,
                prefetch_batches: int = 2):
     if prefetch_batches < 0:
       raise UserError(f"prefetch_batches must be >= 0 (0 disables prefetching), got "

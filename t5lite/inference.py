@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -28,6 +28,10 @@ from t5lite import write_errors
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
 
 INFERENCE_EVAL_DIR = "inference_eval"
@@ -161,7 +165,7 @@ class InferenceEvaluator:
     ValueError: an invalid dataset config (unknown task, split, ...).
   """
 
-  def __init__(self, *, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
+  def __init__(self, *, model: BaseModel, cfg: DatasetConfig, partitioner: Partitioner,
                params_shardings: Any, output_dir: str, num_examples: int | None = None):
     datasets.validate_dataset_config(cfg, num_shards=partitioner.get_data_layout(
         cfg.batch_size).num_shards)

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -31,6 +31,11 @@ from t5lite.partitioning import Partitioner
 from t5lite.periods import Periods, compute_periods
 
 
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
+  from t5lite.trainer import Trainer
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """`train()`'s arguments (see there), with three of them resolved:
@@ -40,13 +45,13 @@ class RunConfig:
   `actions` is checked, by mode.
   """
 
-  model: Any
+  model: BaseModel
   train_dataset_cfg: DatasetConfig
   train_eval_dataset_cfg: DatasetConfig | None
   infer_eval_dataset_cfg: DatasetConfig | None
   checkpoint_cfg: CheckpointConfig
   partitioner: Partitioner
-  trainer_cls: Callable[..., Any]
+  trainer_cls: Callable[..., Trainer]
   model_dir: str
   total_steps: int
   eval_steps: int
@@ -127,7 +132,7 @@ def _check_writable(model_dir: str) -> None:
                     "directory); choose another MODEL_DIR or fix its permissions.")
 
 
-def validate(run: RunConfig, trainer: Any) -> Periods:
+def validate(run: RunConfig, trainer: Trainer) -> Periods:
   """Every check of `run` that needs no compilation and writes nothing.
 
   Raises:

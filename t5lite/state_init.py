@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -29,6 +29,10 @@ from t5lite.partitioning import Partitioner
 from t5lite.train_state import TrainState, state_logical_axes
 
 
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSpecs:
   """Abstract state, its logical axes and its shardings."""
@@ -38,7 +42,7 @@ class StateSpecs:
   shardings: TrainState
 
 
-def state_specs(model: Any, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
+def state_specs(model: BaseModel, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
                 input_types: Mapping[str, Any]
                 ) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
   """Abstract train state, its shardings, and the function that initialises it."""

@@ -18,7 +18,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -36,6 +36,11 @@ from t5lite.run_config import RunConfig
 from t5lite.stops import Diverged, Interrupted, Preempted
 from t5lite.train_eval import Evaluators, build_evaluators
 from t5lite.train_state import TrainState
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
+  from t5lite.trainer import Trainer
 
 
 # ---------------------------------------------------------------------------
@@ -175,13 +180,13 @@ def _preempt(loop: _Loop, step: int, state: TrainState, pending: list) -> None:
 
 
 def train(*,
-          model: Any,
+          model: BaseModel,
           train_dataset_cfg: DatasetConfig,
           train_eval_dataset_cfg: DatasetConfig | None = None,
           infer_eval_dataset_cfg: DatasetConfig | None = None,
           checkpoint_cfg: CheckpointConfig = CheckpointConfig(),
           partitioner: Partitioner,
-          trainer_cls: Callable[..., Any],
+          trainer_cls: Callable[..., Trainer],
           model_dir: str,
           total_steps: int,
           eval_steps: int = 10,
@@ -364,7 +369,7 @@ def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @_holding_model_dir_lock
-def _run(run: RunConfig, trainer: Any, periods: Periods) -> tuple[int, TrainState]:
+def _run(run: RunConfig, trainer: Trainer, periods: Periods) -> tuple[int, TrainState]:
   """The phases after validation: state, model_dir, loop, then the epochs."""
   model, partitioner, train_cfg = run.model, run.partitioner, run.train_dataset_cfg
   restore = run.checkpoint_cfg.restore

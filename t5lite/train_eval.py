@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import seqio
@@ -22,6 +22,12 @@ from t5lite.feeder import global_batches
 from t5lite.partitioning import Partitioner
 from t5lite.periods import Periods
 from t5lite.threads import Background
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
+  from t5lite.run_config import RunConfig
+  from t5lite.trainer import Trainer
 
 
 def eval_task_names(cfg: DatasetConfig) -> list[str]:
@@ -42,8 +48,8 @@ class TrainEvaluator:
   go to MODEL_DIR/training_eval/<task>/.
   """
 
-  def __init__(self, *, model: Any, cfg: DatasetConfig, partitioner: Partitioner,
-               trainer: Any, params_shardings: Any, eval_steps: int, model_dir: str):
+  def __init__(self, *, model: BaseModel, cfg: DatasetConfig, partitioner: Partitioner,
+               trainer: Trainer, params_shardings: Any, eval_steps: int, model_dir: str):
     layout = partitioner.get_data_layout(cfg.batch_size)
     self._partitioner, self._batch = partitioner, cfg.batch_size
     self._steps = eval_steps
@@ -134,7 +140,7 @@ class Evaluators:
         evaluator.close()
 
 
-def build_evaluators(run: Any, trainer: Any, periods: Periods, params_shardings: Any
+def build_evaluators(run: RunConfig, trainer: Trainer, periods: Periods, params_shardings: Any
                      ) -> Evaluators:
   """The evaluators `run.evaluations(periods)` names, to be built in the background.
 

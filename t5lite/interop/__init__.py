@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -29,6 +29,10 @@ import numpy as np
 from t5lite import tree_paths
 from t5lite.errors import UserError
 from t5lite.interop import gin_file, hf_tokenizer, huggingface, lazy, t5x
+
+
+if TYPE_CHECKING:
+  from t5lite.models.models import BaseModel
 
 
 T5X = "t5x"
@@ -295,7 +299,7 @@ def load_t5x_adafactor(path: str, abstract_params: Any, fresh_slots: Any) -> tup
   return int(step.read()), fresh_slots._replace(**loaded)
 
 
-def export_fields(model: Any) -> dict[str, Any]:
+def export_fields(model: BaseModel) -> dict[str, Any]:
   """The `TransformerConfig` fields of a model that has a Hugging Face counterpart.
 
   Raises:
@@ -303,7 +307,7 @@ def export_fields(model: Any) -> dict[str, Any]:
       T5 / Switch Transformers code does not have.
   """
   from t5lite.models import transformer  # the models are interop's only target
-  module = getattr(model, "module", None)
+  module = model.module
   if not isinstance(module, transformer.EncoderDecoder):
     raise UserError(f"Only encoder-decoder models have a Hugging Face counterpart; this "
                     f"model's network is {type(module).__name__}.")
