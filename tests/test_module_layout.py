@@ -11,11 +11,18 @@ PACKAGE = os.path.dirname(t5lite.__file__)
 
 
 def _imports(module: str) -> tuple[set[str], set[str], ast.Module]:
-  """(modules imported, names imported from t5lite modules, the parsed source)."""
+  """(modules imported, names imported from t5lite modules, the parsed source).
+
+  Imports under `if TYPE_CHECKING:` do not count: they name a type for the
+  annotations and run nothing."""
   with open(os.path.join(PACKAGE, *module.split(".")[1:]) + ".py", encoding="utf-8") as f:
     tree = ast.parse(f.read())
+  typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
   modules, names = set(), set()
   for node in ast.walk(tree):
+    if id(node) in typing_only:
+      continue
     if isinstance(node, ast.Import):
       modules.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module:
