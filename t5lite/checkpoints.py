@@ -554,7 +554,7 @@ class Checkpointer:
         failures.append(e)
         continue
       warnings = tuple(
-          f"Warning: {e}; falling back to step {step}. Nothing is deleted: step {bad} moves "
+          f"{e}; falling back to step {step}. Nothing is deleted: step {bad} moves "
           f"to MODEL_DIR/{UNREADABLE_SUBDIR}/." for bad, e in zip(order, failures))
       return Restored(state, step, with_data, tuple(order[:len(failures)]), warnings)
     others = f" (so are steps {order[1:]})" if len(order) > 1 else ""
@@ -860,7 +860,7 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
         + "; ".join(problems[:5]) + more + ". Map names with assignment_map, or set "
         "strict=False (shape mismatches) / fallback_to_scratch=True (missing parameters) "
         "to keep their fresh init.")
-  warnings = tuple(f"Warning: keeping the fresh init of {w}." for w in warnings)
+  warnings = tuple(f"Keeping the fresh init of {w}." for w in warnings)
   return ParamsRestorePlan(state_dir, step, sources, tuple(fresh), warnings)
 
 

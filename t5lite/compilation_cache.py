@@ -40,6 +40,7 @@ import threading
 import zlib
 
 import jax
+from absl import logging
 
 from t5lite import jax_internals
 
@@ -102,9 +103,9 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
     if "://" not in directory:  # JAX opens gs:// and the like itself
       os.makedirs(directory, exist_ok=True)
   except OSError as error:
-    print(f"t5lite: warning: compilation cache off, {directory} cannot be created "
-          f"({error.strerror}); pass --compilation_cache_dir=DIR or --nocompilation_cache.",
-          flush=True)
+    logging.warning("Compilation cache off, %s cannot be created (%s); pass "
+                    "--compilation_cache_dir=DIR or --nocompilation_cache.", directory,
+                    error.strerror)
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   jax.config.update("jax_enable_compilation_cache", True)
@@ -125,8 +126,8 @@ def _use_read_only_if_unwritable(directory: str) -> bool:
   try:
     handle, probe = tempfile.mkstemp(prefix=".t5lite-write-probe-", dir=directory)
   except OSError as error:
-    print(f"t5lite: warning: compilation cache {directory} is read-only ({error.strerror}); "
-          "its programs are read, none are written.", flush=True)
+    logging.warning("Compilation cache %s is read-only (%s); its programs are read, none are "
+                    "written.", directory, error.strerror)
     # JAX writes a program only if its compile took at least this long.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
     # XLA's GPU autotuning cache, kept in the same directory, would write too.
@@ -189,8 +190,7 @@ def _replace_unreadable_entry(cache_key: str, error: BaseException) -> bool:
   with _UNREADABLE_LOCK:
     reported, _UNREADABLE["reported"] = _UNREADABLE["reported"], True
   if not reported:
-    print(f"t5lite: warning: compilation cache entry {entry} unreadable ({_brief(error)}); "
-          f"{fate}.", flush=True)
+    logging.warning("Compilation cache entry %s unreadable (%s); %s.", entry, _brief(error), fate)
   return True
 
 

@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from absl import flags
+from absl import flags, logging
 
 from t5lite import console
 from t5lite.errors import UserError
@@ -73,10 +73,9 @@ def import_gin() -> str:
       f.write(text)
     os.replace(FLAGS.output + ".tmp", FLAGS.output)
   if recipe is not None and recipe.omitted:
-    # On stderr, so that a printed file stays valid gin.
-    print(f"t5lite-import: {len(recipe.omitted)} T5X setting(s) not carried over (listed in "
-          f"{FLAGS.output or 'the file'}): {', '.join(o.binding for o in recipe.omitted)}",
-          file=sys.stderr)
+    # A warning (on stderr), so that a printed file stays valid gin.
+    logging.warning("%d T5X setting(s) not carried over (listed in %s): %s", len(recipe.omitted),
+                    FLAGS.output or "the file", ", ".join(o.binding for o in recipe.omitted))
   if not FLAGS.output:
     return text
   vocab = {"byte": "bytes", "sentencepiece": vocabulary[1]}.get(vocabulary[0], "unknown: set "

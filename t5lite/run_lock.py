@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from absl import logging
+
 from t5lite import console, write_errors
 from t5lite.errors import UserError
 
@@ -144,7 +146,7 @@ class _Lock:
         os.rmdir(self._created_dir)  # only if still empty: the run wrote nothing
 
 
-def acquire(model_dir: str, log: Callable[[str], None] = print,
+def acquire(model_dir: str, log: Callable[[str], None] = logging.warning,
             heartbeat_seconds: float = HEARTBEAT_SECONDS) -> _Lock:
   """Takes MODEL_DIR's lock, creating MODEL_DIR if needed.
 
@@ -196,7 +198,7 @@ def acquire(model_dir: str, log: Callable[[str], None] = print,
 
 
 @contextlib.contextmanager
-def hold(model_dir: str, enabled: bool = True, log: Callable[[str], None] = print,
+def hold(model_dir: str, enabled: bool = True, log: Callable[[str], None] = logging.warning,
          heartbeat_seconds: float = HEARTBEAT_SECONDS) -> Iterator[None]:
   """`acquire` for the duration of a `with` block; nothing when not enabled
   (processes other than 0 of a multi-process job)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import flax.linen as nn
 import jax
 import numpy as np
+from absl import logging
 from jax.extend import core as jax_core
 
 from t5lite import checkpoints as ckpt_lib
@@ -168,8 +169,8 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   unfinished = [s for s in checkpointer.unfinished_steps()
                 if start.kind != "resume" or s > start.step]
   if unfinished:
-    metrics_lib.log_line(f"Warning: ignoring unfinished checkpoint(s) at step(s) {unfinished} "
-                         f"in {checkpointer.directory}; restoring the last complete one.")
+    logging.warning("Ignoring unfinished checkpoint(s) at step(s) %s in %s; restoring the last "
+                    "complete one.", unfinished, checkpointer.directory)
   if start.kind == "resume":
     restored = _restore_own(checkpointer, start.plan, abstract, data)
     if data is not None and not restored.with_data:
@@ -183,7 +184,7 @@ def init_or_restore(*, specs: StateSpecs, init_fn: Callable[[jax.Array], TrainSt
   if start.kind == "params":
     plan = ckpt_lib.plan_params_restore(restore_cfg, specs.abstract.params)  # before init
     for warning in plan.warnings:
-      metrics_lib.log_line(warning)
+      logging.warning("%s", warning)
     state = init(jax.random.key(seed))
     state = state.replace(params=ckpt_lib.load_params(plan, state.params))
     metrics_lib.log_line(f"Restored {len(plan.sources)} parameters from step {plan.step} of "
@@ -212,7 +213,7 @@ def _restore_own(checkpointer: ckpt_lib.Checkpointer, plan: ckpt_lib.ResumePlan,
   restored = checkpointer.restore_newest(plan.candidates, abstract,
                                          data.iterator if with_iterator else None)
   for warning in restored.warnings:
-    metrics_lib.log_line(warning)
+    logging.warning("%s", warning)
   if restored.unreadable:
     checkpointer.set_aside(restored.unreadable, ckpt_lib.UNREADABLE_SUBDIR)
   if plan.aside_subdir:

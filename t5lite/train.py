@@ -362,8 +362,7 @@ def _holding_model_dir_lock(phase: Callable[..., Any]) -> Callable[..., Any]:
   when `phase` returns or raises."""
   @functools.wraps(phase)
   def locked(run: RunConfig, *args: Any) -> Any:
-    with run_lock.hold(run.model_dir, enabled=jax.process_index() == 0,
-                       log=metrics_lib.log_line):
+    with run_lock.hold(run.model_dir, enabled=jax.process_index() == 0):
       return phase(run, *args)
   return locked
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import seqio
+from absl import logging
 
 from t5lite import inference
 from t5lite import metrics as metrics_lib
@@ -133,7 +134,7 @@ class Evaluators:
       built = self._building.result()
     except BaseException as e:  # noqa: BLE001 - the run is ending; say it, do not mask
       if not self._reported:
-        metrics_lib.log_line(f"Warning: the evaluators could not be built: {e}")
+        logging.warning("The evaluators could not be built: %s", e)
       return
     for evaluator in built:
       if evaluator is not None:

@@ -259,8 +259,8 @@ def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
   assert not [x for x in _READ_NOISE if x in again.stderr], again.stderr[-3000:]
   for bad in (8, 6, 4):  # one warning each, naming the damaged step and the one restored
-    line = next(x for x in again.stdout.splitlines()
-                if x.startswith(f"Warning: Checkpoint {ckpts}/{bad} is unreadable"))
+    line = next(x for x in again.stderr.splitlines()
+                if f"] Checkpoint {ckpts}/{bad} is unreadable" in x)
     assert "falling back to step 2." in line, line
   assert "does not match" not in again.stdout + again.stderr
   assert "steps 2 -> 10;" in again.stdout and "step 10/10" in again.stdout
@@ -335,7 +335,7 @@ def test_fallback_past_an_unreadable_step_is_one_warning_line_every_time(tmp_pat
   lines = out.stdout.splitlines()
   assert len(lines) == _READS, out.stdout
   for step, line in enumerate(lines, start=2):
-    assert line.startswith(f"Warning: Checkpoint {tmp_path}/run/checkpoints/{step} is "
+    assert line.startswith(f"Checkpoint {tmp_path}/run/checkpoints/{step} is "
                            "unreadable: "), line
     assert line.endswith(f"; falling back to step 1. Nothing is deleted: step {step} moves to "
                          "MODEL_DIR/checkpoints-unreadable/."), line

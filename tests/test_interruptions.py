@@ -134,7 +134,7 @@ def test_half_written_checkpoint_is_never_restored(tmp_path):
   (partial / "garbage").write_bytes(b"\x00" * 100)
   out = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "ignoring unfinished checkpoint(s) at step(s) [6]" in out.stdout
+  assert "Ignoring unfinished checkpoint(s) at step(s) [6]" in out.stderr
   assert "Restoring step 2" in out.stdout and "steps 2 -> 4;" in out.stdout
 
 
