@@ -61,8 +61,9 @@ def test_hugging_face_folder_to_finetuned_evaluated_exported_in_three_commands(t
   _ok(run_cli(["--gin_file=byt5.gin", "--gin_file=gin/runs/export.gin",
                "--gin.CHECKPOINT_PATH='ft'", "--gin.EXPORT_DIR='hf_out'"], cwd,
               script="t5lite-export"))
-  assert sorted(os.listdir(tmp_path / "hf_out")) == ["config.json", "model.safetensors",
-                                                     "t5lite-export.json"]
+  assert sorted(os.listdir(tmp_path / "hf_out")) == [
+      "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+      "t5lite-export.json", "tokenizer_config.json"]  # a byte vocabulary: no tokenizer.json
   exported = huggingface.HuggingFaceFolder(str(tmp_path / "hf_out"))
   original = huggingface.HuggingFaceFolder(BYT5)
   assert huggingface.model_config(exported) == huggingface.model_config(original)
