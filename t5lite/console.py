@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 from absl import app, flags
 
@@ -122,10 +123,32 @@ def _interrupt_outside_imports(signum: int, frame: FrameType | None) -> None:
   runs, a timer brings this function back until it is done.
   """
   if _importing(frame):
-    signal.signal(signal.SIGALRM, _interrupt_outside_imports)
-    signal.setitimer(signal.ITIMER_REAL, _RECHECK_SECONDS)
+    _interrupt_a_moment_later()
     return
   raise KeyboardInterrupt
+
+
+def _interrupt_a_moment_later() -> None:
+  signal.signal(signal.SIGALRM, _interrupt_outside_imports)
+  signal.setitimer(signal.ITIMER_REAL, _RECHECK_SECONDS)
+
+
+def _redeliver_lost_interrupts(
+    hook: Callable[[Any], None]) -> Callable[[Any], None]:
+  """`sys.unraisablehook` that raises again, a moment later, a
+  KeyboardInterrupt Python could not pass on.
+
+  A signal handler runs wherever the main thread is, also in a garbage
+  collector callback (JAX registers one) or a `__del__`; an exception raised
+  there is reported as unraisable and dropped, and the Ctrl-C with it.
+  """
+  def unraisable(report: Any) -> None:
+    if (report.exc_type is KeyboardInterrupt
+        and threading.current_thread() is threading.main_thread()):
+      _interrupt_a_moment_later()
+      return
+    hook(report)
+  return unraisable
 
 
 @contextlib.contextmanager
@@ -162,7 +185,9 @@ def ctrl_c_as_one_line(interrupted: Callable[[], None]) -> Iterator[None]:
   everywhere else (imports, gin parsing, tracing, compiling, restoring) the
   interrupt unwinds the stack, so locks are released and temporary files
   removed on the way, and `interrupted` is called at the top. An import
-  under way is finished first (`_interrupt_outside_imports`).
+  under way is finished first (`_interrupt_outside_imports`), and an
+  interrupt raised where Python drops it is raised again
+  (`_redeliver_lost_interrupts`).
 
   Args:
     interrupted: prints the one line and ends the process with
@@ -170,6 +195,7 @@ def ctrl_c_as_one_line(interrupted: Callable[[], None]) -> Iterator[None]:
       action, so a second Ctrl-C ends the process at once.
   """
   signal.signal(signal.SIGINT, _first_ctrl_c)
+  sys.unraisablehook = _redeliver_lost_interrupts(sys.unraisablehook)
   try:
     yield
   except KeyboardInterrupt:

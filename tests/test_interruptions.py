@@ -241,6 +241,39 @@ with console.ctrl_c_as_one_line(interrupted):
 """
 
 
+# A Ctrl-C whose handler runs inside a garbage-collector callback (JAX
+# registers one): Python reports the KeyboardInterrupt raised there as
+# unraisable and drops it.
+_CTRL_C_IN_GC_CALLBACK = """
+import gc, os, signal, sys, time
+from t5lite import console
+fired = []
+def callback(phase, info):
+  if phase == "start" and not fired:
+    fired.append(True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the handler runs here, inside the callback
+def interrupted():
+  print("interrupted", flush=True)
+  os._exit(130)
+with console.ctrl_c_as_one_line(interrupted):
+  gc.callbacks.append(callback)
+  gc.collect()
+  time.sleep(30)
+  print("the Ctrl-C was lost", flush=True)
+"""
+
+
+def test_ctrl_c_dropped_in_a_gc_callback_is_raised_again(tmp_path):
+  began = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", _CTRL_C_IN_GC_CALLBACK], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 130, out.stdout + out.stderr[-3000:]
+  assert out.stdout == "interrupted\n", out.stdout
+  assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
+  assert time.monotonic() - began < 20  # not after the sleep
+
+
 def test_ctrl_c_during_an_import_takes_effect_when_it_is_done(tmp_path):
   # An exception raised into a C extension's initialisation can crash the
   # interpreter (jaxlib's does): the import is finished first.
