@@ -432,8 +432,8 @@ RUN_ELSEWHERE = {
 # cheapest document, the second the longest document (performance.md) and
 # one of middle size; whichever worker frees first takes the rest, longest
 # first. A document missing here runs last.
-DOCS_ORDER = ["docs/gin_reference.md", "docs/performance.md", "docs/multi_host.md",
-              "docs/checkpoints.md", "docs/evaluation.md", "docs/data.md", "README.md",
+DOCS_ORDER = ["docs/gin_reference.md", "docs/performance.md", "docs/multi_host.md", "README.md",
+              "docs/checkpoints.md", "docs/evaluation.md", "docs/data.md",
               "docs/moe.md", "docs/partitioning.md"]
 
 
