@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -156,7 +156,8 @@ class SaveCheckpointConfig:
   Attributes:
     period: save every this many steps (and always at the last step).
     checkpoint_steps: further steps to save at, off the period.
-    keep: keep only the newest this many checkpoints; None keeps all.
+    keep: keep only the newest this many checkpoints; None keeps all (the
+      rule is `retained`).
     keep_every_n_steps: checkpoints at multiples of this are kept forever,
       whatever `keep` says.
     dtype: store parameters in this dtype (e.g. 'bfloat16'); the optimizer
@@ -263,11 +264,73 @@ def _validate_restore(restore: RestoreCheckpointConfig) -> None:
       raise UserError(f"assignment_map regex '{entry[0]}' does not compile: {e}.") from None
 
 
+def retained(steps: Iterable[int], save: SaveCheckpointConfig | None) -> set[int]:
+  """The keep rule: which of the steps in `checkpoints/` stay after a save.
+
+  The newest `save.keep` steps stay (all of them when `keep` is None), and so
+  does every step that is a multiple of `save.keep_every_n_steps`; the rest
+  are deleted. Orbax applies it (through `KeepRule`) after each save to the
+  finished steps in `checkpoints/` and the step being saved.
+
+  Args:
+    steps: the steps in `checkpoints/`, in any order.
+    save: the run's save config; None keeps every step.
+
+  Returns:
+    The steps of `steps` that stay.
+  """
+  steps = set(steps)
+  if save is None or save.keep is None:
+    return steps
+  every = save.keep_every_n_steps
+  return set(sorted(steps)[-save.keep:]) | {s for s in steps if every and s % every == 0}
+
+
+def kept_steps(existing: Iterable[int], saves: Iterable[int],
+               save: SaveCheckpointConfig | None, set_aside: Iterable[int] = ()
+               ) -> tuple[int, ...]:
+  """The steps left in `checkpoints/` once a run has made its saves.
+
+  `retained` runs after every save, so what stays is `retained` of every step
+  there was, applied once after the last save: the newest `keep` of them all
+  and the multiples of `keep_every_n_steps` stay. A run that saves no new step
+  (nothing to train) deletes nothing.
+
+  Args:
+    existing: the finished steps in `checkpoints/` when the run starts.
+    saves: the steps the run saves.
+    save: the run's save config.
+    set_aside: steps the run moves out of `checkpoints/` before its first
+      save (with `train.resume_step`, those after it): they neither count
+      against `keep` nor stay.
+
+  Returns:
+    The steps in `checkpoints/` at the end, ascending.
+  """
+  on_disk = set(existing) - set(set_aside)
+  new = set(saves) - on_disk  # a save at a step that exists writes nothing
+  if not new:
+    return tuple(sorted(on_disk))
+  return tuple(sorted(retained(on_disk | new, save)))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepRule(ocp.checkpoint_managers.PreservationPolicy):
+  """`retained` as Orbax's preservation policy: the run deletes by the rule
+  the dry run predicts with (`kept_steps`)."""
+
+  save: SaveCheckpointConfig | None
+
+  def should_preserve(self, checkpoints: Sequence[Any], *,
+                      context: ocp.checkpoint_managers.PreservationContext) -> list[bool]:
+    stay = retained((info.step for info in checkpoints), self.save)
+    return [info.step in stay for info in checkpoints]
+
+
 def _manager(directory: str, save: SaveCheckpointConfig | None = None, read_only: bool = False
              ) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=save.keep if save else None,
-      keep_period=save.keep_every_n_steps if save else None,
+      preservation_policy=KeepRule(save),
       # The directory appears with the first save: a run that stops before it
       # (a bad restore path, say) leaves no empty checkpoints/ behind.
       create=False, read_only=read_only, enable_async_checkpointing=not read_only)

@@ -384,17 +384,13 @@ def schedule(run: RunConfig, periods: Periods) -> Schedule:
 
 def _kept(model_dir: str, saves: Sequence[int], save: ckpt_lib.SaveCheckpointConfig | None,
           set_aside: Sequence[int]) -> tuple[int, ...] | None:
-  """Steps on disk at the end under the keep rules; None when all are kept.
-  Steps that `train.resume_step` sets aside leave `checkpoints/` before the
-  first save, so they neither count against `keep` nor stay."""
+  """`checkpoints.kept_steps` for the steps in MODEL_DIR and the planned
+  saves; None when `keep` is None (all are kept)."""
   if save is None or save.keep is None:
     return None
   existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
   on_disk = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
-  on_disk = [s for s in on_disk if s not in set(set_aside)]
-  steps = sorted(set(on_disk) | set(saves))
-  forever = {s for s in steps if save.keep_every_n_steps and s % save.keep_every_n_steps == 0}
-  return tuple(sorted(forever | set(steps[-save.keep:])))
+  return ckpt_lib.kept_steps(on_disk, saves, save, set_aside)
 
 
 # ---------------------------------------------------------------------------

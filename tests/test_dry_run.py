@@ -175,8 +175,9 @@ def test_dry_run_shares_train_checks_in_process(tmp_path, clean_gin, binding, me
 # The schedule, in-process, against the loop's rules
 
 
-def _schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra=(),
-              relative=None, at_start=False, restore=None):
+def planned_schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra=(),
+                     relative=None, at_start=False, restore=None, resume_step=None):
+  """The dry run's schedule for these settings, in-process."""
   save = ckpt_lib.SaveCheckpointConfig(period=ckpt, keep=keep, keep_every_n_steps=every,
                                        checkpoint_steps=extra)
   periods = compute_periods(total_steps=total, eval_period=eval_,
@@ -185,7 +186,8 @@ def _schedule(model_dir, *, total, ckpt=2, eval_=2, keep=None, every=None, extra
   settings = {f.name: None for f in dataclasses.fields(RunConfig)}
   settings.update(model_dir=str(model_dir), total_steps=total, relative_steps=relative,
                   checkpoint_cfg=ckpt_lib.CheckpointConfig(save=save, restore=restore),
-                  train_eval_dataset_cfg="<train-eval data>", run_eval_before_training=at_start)
+                  train_eval_dataset_cfg="<train-eval data>", run_eval_before_training=at_start,
+                  resume_step=resume_step)
   return dry_run.schedule(RunConfig(**settings), periods)
 
 
@@ -216,7 +218,7 @@ def test_dry_run_and_run_agree_on_end_step_devices_and_parameters(tmp_path, clea
 
 
 def test_schedule_fresh_run_with_extra_steps_and_keep_rules(tmp_path):
-  s = _schedule(tmp_path / "none", total=10, ckpt=4, eval_=4, keep=2, every=8, extra=(3,),
+  s = planned_schedule(tmp_path / "none", total=10, ckpt=4, eval_=4, keep=2, every=8, extra=(3,),
                 at_start=True)
   assert (s.start, s.end, s.epoch) == (0, 10, 4)
   assert s.checkpoints == (3, 4, 8, 10)   # period, the extra step, the last step
@@ -228,15 +230,15 @@ def test_schedule_fresh_run_with_extra_steps_and_keep_rules(tmp_path):
 def test_schedule_resumes_from_model_dir_then_restore_path(tmp_path):
   for step in (2, 4):
     os.makedirs(tmp_path / "run" / "checkpoints" / str(step))
-  s = _schedule(tmp_path / "run", total=10, keep=3, relative=3)
+  s = planned_schedule(tmp_path / "run", total=10, keep=3, relative=3)
   assert (s.start, s.end) == (4, 7) and "resumes from checkpoint 4" in s.start_from
   assert s.checkpoints == (6, 7) and s.kept == (4, 6, 7)
   params_only = ckpt_lib.RestoreCheckpointConfig(path=str(tmp_path / "run" / "checkpoints" / "4"),
                                                  mode="specific", params_only=True)
-  s = _schedule(tmp_path / "fresh", total=4, restore=params_only)
+  s = planned_schedule(tmp_path / "fresh", total=4, restore=params_only)
   assert s.start == 0 and s.start_from.startswith("parameters from")
   full = ckpt_lib.RestoreCheckpointConfig(path=str(tmp_path / "run"), mode="latest")
-  s = _schedule(tmp_path / "fresh", total=6, restore=full)
+  s = planned_schedule(tmp_path / "fresh", total=6, restore=full)
   assert (s.start, s.checkpoints) == (4, (6,))
   assert dry_run.format_steps(list(range(200, 100001, 200))) == (
       "200, 400, 600, ..., 99800, 100000 (500 steps)")
