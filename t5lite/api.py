@@ -68,14 +68,15 @@ class Generation:
   score: float
 
 
-def load(source: str, checkpoint: str | None = None, *, gin_bindings: Sequence[str] = (),
-         gin_search_paths: Sequence[str] = (), partitioner: Partitioner | None = None,
-         batch_size: int = 8, seed: int = 0) -> Model:
+def load(source: str | Sequence[str], checkpoint: str | None = None, *,
+         gin_bindings: Sequence[str] = (), gin_search_paths: Sequence[str] = (),
+         partitioner: Partitioner | None = None, batch_size: int = 8, seed: int = 0) -> Model:
   """Builds a model from gin (or a foreign checkpoint) and reads its parameters.
 
   Args:
     source: a gin file that defines MODEL (a file of gin/models/, a training
-      headline, or one `t5lite-import` wrote), a t5lite model_dir (its
+      headline, or one `t5lite-import` wrote), or a list of gin files
+      parsed in order (later ones win), a t5lite model_dir (its
       config.gin), or a T5X checkpoint or Hugging Face folder (its model is
       read from the checkpoint, as `t5lite-import` reads it).
     checkpoint: the parameters: a t5lite step directory, model_dir or
@@ -119,8 +120,10 @@ def load(source: str, checkpoint: str | None = None, *, gin_bindings: Sequence[s
                seed=seed)
 
 
-def _config_of(source: str) -> tuple[list[str], str | None, str | None]:
+def _config_of(source: str | Sequence[str]) -> tuple[list[str], str | None, str | None]:
   """(gin files, the checkpoint `source` implies, generated gin text)."""
+  if not isinstance(source, str):
+    return list(source), None, None
   if source.endswith(".gin"):
     return [source], None, None  # resolved through the search paths
   if not os.path.exists(source):
@@ -152,7 +155,10 @@ def _from_gin(files: list[str], text: str | None, bindings: Sequence[str],
       raise UserError(f"{files[0] if files else 'The config'} does not define MODEL; give a "
                       "model file such as gin/models/t5_tiny.gin or a training "
                       "headline.") from None
-    model = copy.deepcopy(reference)  # calls the configurable it references
+    # Gin evaluates a macro in a scope of its name: a run's config.gin binds
+    # the model's parameters as MODEL/models.EncoderDecoderModel.z_loss = ...
+    with gin.config_scope("MODEL"):
+      model = copy.deepcopy(reference)  # calls the configurable it references
     if not isinstance(model, BaseModel):
       raise UserError(f"MODEL must be a t5lite model (@models.EncoderDecoderModel() or "
                       f"@models.DecoderOnlyModel()), got {model!r}.")

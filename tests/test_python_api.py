@@ -5,6 +5,7 @@ transformers logits and greedy decodes of tests/data/hf/ and the T5X
 scores, greedy and beam decodes of tests/data/t5x/.
 """
 
+import json
 import os
 
 import jax
@@ -205,3 +206,33 @@ def test_bad_calls_say_what_is_wrong(tiny, call, message):
 def test_bad_sources_say_what_is_wrong(source, bindings, message):
   with pytest.raises(UserError, match=message):
     api.load(source, gin_bindings=bindings)
+
+
+@pytest.mark.slow
+def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path):
+  from test_cli import run_cli
+  model_dir = str(tmp_path / "run")
+  tiny = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/testing/local_tiny.gin"]
+  result = run_cli([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1],
+                    "--gin.INITIAL_CHECKPOINT_PATH=None", f"--gin.MODEL_DIR='{model_dir}'",
+                    "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+                    "--gin.INFER_EVAL_DATASET_CFG=None"], cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  questions = ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
+  (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
+  result = run_cli([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1],
+                    f"--gin.CHECKPOINT_PATH='{model_dir}'",
+                    f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
+                    f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
+                   cwd=str(tmp_path), script="t5lite-infer")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "out" / "questions-4.jsonl").open()]
+  # The run's own config.gin and newest checkpoint, or the files it was trained with.
+  for model in (api.load(model_dir, batch_size=2),
+                api.load(["gin/models/t5_tiny.gin", "gin/testing/local_tiny.gin"],
+                         os.path.join(model_dir, "checkpoints", "4"))):
+    assert model.step == 4
+    generated = model.generate(questions, max_length=16)  # local_tiny's targets length
+    assert [g.text for g in generated] == [r["prediction"] for r in rows]
+    np.testing.assert_allclose([g.score for g in generated], [r["score"] for r in rows],
+                               rtol=1e-5)
