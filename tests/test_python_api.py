@@ -236,3 +236,50 @@ def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path):
     assert [g.text for g in generated] == [r["prediction"] for r in rows]
     np.testing.assert_allclose([g.score for g in generated], [r["score"] for r in rows],
                                rtol=1e-5)
+
+
+def test_a_decoder_only_model_scores_its_continuations():
+  model = api.load("gin/models/decoder_only_tiny.gin", batch_size=2,
+                   gin_bindings=["transformer.TransformerConfig.emb_dim = 8",
+                                 "transformer.TransformerConfig.num_decoder_layers = 2"])
+  prompts, continuations = ["hello", [5, 6]], ["world", [7, 1]]
+  logits = model.logits(prompts, continuations)
+  ids = [[*model.vocabulary.encode("world"), 1], [7, 1]]
+  assert [x.shape for x in logits] == [(6, 384), (2, 384)]  # the continuations' positions only
+  expected = [np.take_along_axis(jax.nn.log_softmax(x), np.asarray(y)[:, None], 1).sum()
+              for x, y in zip(logits, ids)]
+  np.testing.assert_allclose(model.score(prompts, continuations), expected, rtol=1e-5)
+  generated = model.generate(prompts, max_length=3)
+  assert [len(g.tokens) for g in generated] == [3, 3]
+
+
+# Loads the tiny model on 8 CPU devices as a 4 x 2 (data x model) mesh and
+# prints its scores.
+_SHARDED = """
+import json, sys
+from t5lite import api
+model = api.load("gin/models/t5_tiny.gin", gin_bindings=sys.argv[1:], batch_size=8, seed=3)
+kernel = model.params["decoder"]["logits_dense"]["kernel"]
+print(json.dumps({"mesh": dict(model.partitioner.mesh.shape),
+                  "kernel_devices": len(kernel.sharding.device_set),
+                  "kernel_shard": list(kernel.addressable_shards[0].data.shape),
+                  "scores": model.score(["one two", "three"], ["two", "four five"]).tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_eight_devices_give_the_scores_of_one(tiny):
+  import subprocess
+  import sys
+  bindings = [*TINY_BINDINGS, "partitioning.Partitioner.num_partitions = 2"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  result = subprocess.run([sys.executable, "-c", _SHARDED, *bindings], env=env,
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(DATA))
+  assert result.returncode == 0, result.stderr[-3000:]
+  sharded = json.loads(result.stdout.strip().splitlines()[-1])
+  assert sharded["mesh"]["data"] == 4 and sharded["mesh"]["model"] == 2
+  assert sharded["kernel_devices"] == 8 and sharded["kernel_shard"] == [8, 192]
+  np.testing.assert_allclose(sharded["scores"], tiny.score(["one two", "three"],
+                                                           ["two", "four five"]), rtol=1e-5)
