@@ -99,13 +99,13 @@ def load(source: str | Sequence[str], checkpoint: str | None = None, *,
     UserError: a source or checkpoint that does not exist or does not fit
       the model, invalid gin, or a batch size the mesh cannot split.
   """
+  _hide_gpus_from_tensorflow()
   files, default_checkpoint, text = _config_of(source)
   checkpoint = default_checkpoint if checkpoint is None else checkpoint
   model, configured = _from_gin(files, text, gin_bindings, gin_search_paths)
   partitioner = partitioner or configured
   partitioner.validate()
   partitioner.get_data_layout(batch_size)
-  _hide_gpus_from_tensorflow()
   specs, init = state_init.state_specs(
       model, partitioner, *model.input_shapes_and_types(_SPEC_LENGTHS, pack=False))
   if checkpoint is None:
@@ -230,17 +230,25 @@ class Model:
     return self.model.output_vocabulary
 
   def _tokens(self, value: TextOrIds, what: str, vocabulary: Any) -> list[int]:
+    """A text's ids with EOS, or ids as given once checked.
+
+    Raises:
+      UserError: neither a text nor a list of ids, or an id that is padding
+        (0) or past the vocabulary.
+    """
     if isinstance(value, str):
       return [*vocabulary.encode(value), vocabulary.eos_id]
-    if isinstance(value, (bytes, dict)) or not all(
-        isinstance(t, (int, np.integer)) for t in np.asarray(value, dtype=object).ravel()):
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+      value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value):
       raise UserError(f"Each of {what} must be a string or a list of token ids, got "
                       f"{value!r}.")
     tokens = [int(t) for t in value]
-    bad = [t for t in tokens if not 0 <= t < vocabulary.vocab_size]
+    bad = [t for t in tokens if not 0 < t < vocabulary.vocab_size]
     if bad:
-      raise UserError(f"Token ids {bad} in {what} are outside the vocabulary "
-                      f"(0 .. {vocabulary.vocab_size - 1}).")
+      raise UserError(f"Token ids {bad} in {what} are not in the vocabulary's 1 .. "
+                      f"{vocabulary.vocab_size - 1} (0 is padding: leave it out).")
     return tokens
 
   def _pairs(self, inputs: Sequence[TextOrIds], targets: Sequence[TextOrIds] | None

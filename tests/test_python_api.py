@@ -185,8 +185,10 @@ def _train_batch(model, inputs, targets, rows):
     (lambda m: m.score("x", ["y"]), r"inputs must be a list of examples .* wrap it in a list"),
     (lambda m: m.score(["x", "y"], ["z"]), r"targets must be a list as long as inputs \(2\)"),
     (lambda m: m.logits([[3, 400]], ["z"]),
-     r"Token ids \[400\] in inputs are outside the vocabulary \(0 \.\. 358\)"),
+     r"Token ids \[400\] in inputs are not in the vocabulary's 1 \.\. 358 \(0 is padding"),
+    (lambda m: m.logits(["y"], [[5, 0, 0]]), r"Token ids \[0, 0\] in targets are not in the "),
     (lambda m: m.logits([3.5], ["z"]), r"Each of inputs must be a string or a list of token ids"),
+    (lambda m: m.logits([3], ["z"]), r"Each of inputs must be a string or a list of token ids"),
     (lambda m: m.train(["x"], ["y"], steps=0), r"steps must be >= 1, got 0"),
 ])
 def test_bad_calls_say_what_is_wrong(tiny, call, message):
