@@ -73,6 +73,10 @@ def load(source: str | Sequence[str], checkpoint: str | None = None, *,
          partitioner: Partitioner | None = None, batch_size: int = 8, seed: int = 0) -> Model:
   """Builds a model from gin (or a foreign checkpoint) and reads its parameters.
 
+  Gin holds one config per process: loading clears it before parsing and
+  after building the model, so a config parsed earlier is gone (models
+  loaded earlier keep theirs).
+
   Args:
     source: a gin file that defines MODEL (a file of gin/models/, a training
       headline, or one `t5lite-import` wrote), or a list of gin files
