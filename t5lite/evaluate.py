@@ -79,7 +79,7 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping[str, int],
+def params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping[str, int],
                      opened: ckpt_lib.OpenedCheckpoint):
   """Returns (params shardings, restore(step) -> params) for the checkpoint(s) `opened`."""
   specs, _ = state_init.state_specs(model, partitioner,
@@ -140,7 +140,7 @@ def evaluate(*, model: BaseModel, dataset_cfg: DatasetConfig, partitioner: Parti
     raise UserError("Teacher-forced evaluation needs trainer_cls (e.g. @trainer.Trainer).")
   datasets.validate_dataset_config(dataset_cfg, num_shards=partitioner.get_data_layout(
       dataset_cfg.batch_size).num_shards)
-  params_shardings, restore = _params_restorer(model, partitioner,
+  params_shardings, restore = params_restorer(model, partitioner,
                                                dataset_cfg.task_feature_lengths, opened)
   infer_eval = inference.InferenceEvaluator(
       model=model, cfg=dataset_cfg, partitioner=partitioner,
@@ -305,7 +305,7 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
                              num_examples)
   opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode)
   step = opened.step
-  params_shardings, restore = _params_restorer(model, partitioner, task_feature_lengths, opened)
+  params_shardings, restore = params_restorer(model, partitioner, task_feature_lengths, opened)
   params = restore(step)
   runner = inference.BatchRunner(partitioner, batch_size, params_shardings)
   written = []
@@ -363,7 +363,7 @@ def export_huggingface(*, model: BaseModel, partitioner: Partitioner,
   source = os.path.abspath(directory)
   interop.check_export_target(output_dir, source, overwrite)
   partitioner.validate()
-  _, restore = _params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, opened)
+  _, restore = params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, opened)
   params = restore(step)
   # Every process joins the gather of the parameters; process 0 writes.
   written = interop.export_huggingface(params, fields, output_dir, model.input_vocabulary,

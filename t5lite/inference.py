@@ -83,7 +83,7 @@ class BatchRunner:
           fn, in_shardings=(self.params_shardings, shardings), out_shardings=None), shardings)
     return self._compiled[name]
 
-  def _to_global(self, features: Mapping[str, np.ndarray], shardings: Mapping[str, Any]
+  def to_global(self, features: Mapping[str, np.ndarray], shardings: Mapping[str, Any]
                  ) -> dict[str, jax.Array]:
     """Every process holds the whole batch; it passes on its layout's rows."""
     layout = self.partitioner.get_data_layout(self.batch_size)
@@ -109,7 +109,7 @@ class BatchRunner:
     out: list[tuple[int, Any]] = []
     for indices, features, real in _padded_batches(ds, self.batch_size):
       jitted, shardings = self._jit(name, fn, features)
-      result = jitted(params, self._to_global(features, shardings))
+      result = jitted(params, self.to_global(features, shardings))
       parts = [_gather(r) for r in (result if isinstance(result, tuple) else (result,))]
       for row in range(real):
         values = tuple(p[row] for p in parts)

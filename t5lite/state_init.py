@@ -239,11 +239,7 @@ def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointCo
   """
   abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
   params = interop.load_params(restore_cfg.path, abstract)
-  tx = specs.abstract.tx
-  create = partitioner.partition(lambda p: TrainState.create(p, tx),
-                                 in_shardings=(specs.shardings.params,),
-                                 out_shardings=specs.shardings)
-  state = create(params)
+  state = state_from_params(specs, partitioner, params)
   if not with_optimizer:
     metrics_lib.log_line(f"Imported {len(jax.tree.leaves(params))} parameters from "
                          f"{restore_cfg.path}; optimizer state fresh, starting at step 0")
@@ -254,6 +250,16 @@ def _import_foreign(specs: StateSpecs, restore_cfg: ckpt_lib.RestoreCheckpointCo
   metrics_lib.log_line(f"Imported the parameters and Adafactor state of {restore_cfg.path}; "
                        f"continuing T5X's run at step {step}")
   return state.replace(step=jax.numpy.asarray(step, state.step.dtype), opt_state=opt_state)
+
+
+def state_from_params(specs: StateSpecs, partitioner: Partitioner, params: Any) -> TrainState:
+  """A state at step 0 around `params` (placed with `specs.shardings.params`),
+  with the optimizer's fresh state, built under jit with the state's shardings."""
+  tx = specs.abstract.tx
+  create = partitioner.partition(lambda p: TrainState.create(p, tx),
+                                 in_shardings=(specs.shardings.params,),
+                                 out_shardings=specs.shardings)
+  return create(params)
 
 
 def t5x_adafactor_slots(opt_state: Any) -> Any:

@@ -4,7 +4,10 @@ Each document runs in its own sandbox: a directory whose entries link to the
 checkout's top level (so `gin/`, `.venv/`, `Makefile`, `t5lite/` resolve as
 in the repository root) and where everything the commands write lands.
 Fenced ```sh blocks run in order, each as one bash script with `set -e`;
-a ```python file=NAME (or ```gin file=NAME) block is written to NAME first. A command is
+a ```python file=NAME (or ```gin file=NAME) block is written to NAME first.
+In a page a reader follows in a notebook (NOTEBOOKS), the ```python blocks
+run too: together, in order, as one script in one process, after the
+page's commands. A command is
 rewritten to CI size by the rule for its program in RULES; a program with
 no rule fails the test, so a new document or command is never silently
 skipped. Commands that need a cluster or GPUs are listed in CLUSTER_ONLY
@@ -377,6 +380,24 @@ def block_scripts(block: Block, box: Sandbox) -> list[Callable[[], str]]:
   return [lambda line=line: ci_line(line, box, where) for line in lines]
 
 
+# Pages a reader follows top to bottom in a notebook: their ```python blocks
+# run as one script (see the module docstring).
+NOTEBOOKS = ("docs/python_api.md",)
+NOTEBOOK_SCRIPT = "notebook.py"
+
+
+def notebook_script(doc: str, box: Sandbox) -> str | None:
+  """A notebook page's ```python blocks as one script in `box`, run by the
+  checkout's Python; None for other pages."""
+  if doc not in NOTEBOOKS:
+    return None
+  cells = [b for b in fenced_blocks(doc, box.root) if b.info == "python"]
+  assert cells, f"{doc}: a notebook page without ```python blocks"
+  with open(os.path.join(box.root, NOTEBOOK_SCRIPT), "w", encoding="utf-8") as f:
+    f.write("\n".join(f"# {doc}:{cell.line}\n{cell.text}" for cell in cells))
+  return f".venv/bin/python {NOTEBOOK_SCRIPT}"
+
+
 def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
   """Runs a document's blocks in order in `box`; returns a line per command."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
@@ -390,18 +411,24 @@ def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
         f.write(block.text)
       continue
     for build in block_scripts(block, box):
-      script = build()
-      started = time.monotonic()
-      result = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=box.root,
-                              env=env, capture_output=True, text=True, timeout=TIMEOUT)
-      where = f"{doc}:{block.line}"
-      assert result.returncode == 0, (
-          f"{where} failed ({result.returncode}):\n{script}\n--- stdout\n"
-          f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
-      if "--inspect" in script:
-        assert "Event statistics for" in result.stdout, f"{where}: no events\n{result.stdout}"
-      log.append(f"{where}: {time.monotonic() - started:.0f}s {script[:100]}")
+      log.append(_run_script(build(), f"{doc}:{block.line}", box, env))
+  notebook = notebook_script(doc, box)
+  if notebook is not None:
+    log.append(_run_script(notebook, f"{doc} (its python blocks)", box, env))
   return log
+
+
+def _run_script(script: str, where: str, box: Sandbox, env: dict[str, str]) -> str:
+  """Runs one bash script in `box`, which must succeed; returns its log line."""
+  started = time.monotonic()
+  result = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=box.root,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+  assert result.returncode == 0, (
+      f"{where} failed ({result.returncode}):\n{script}\n--- stdout\n"
+      f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+  if "--inspect" in script:
+    assert "Event statistics for" in result.stdout, f"{where}: no events\n{result.stdout}"
+  return f"{where}: {time.monotonic() - started:.0f}s {script[:100]}"
 
 
 def test_every_cluster_entry_still_matches_a_block():
@@ -434,7 +461,7 @@ RUN_ELSEWHERE = {
 # first. A document missing here runs last.
 DOCS_ORDER = ["docs/gin_reference.md", "docs/performance.md", "docs/multi_host.md", "README.md",
               "docs/checkpoints.md", "docs/evaluation.md", "docs/data.md",
-              "docs/moe.md", "docs/partitioning.md"]
+              "docs/python_api.md", "docs/moe.md", "docs/partitioning.md"]
 
 
 def _in_docs_order(docs: list[str]) -> list[str]:
