@@ -53,14 +53,21 @@ class Action:
     return type(self).__name__
 
 
+# Names an older config may still watch -> what the run reports instead.
+_RENAMED_METRICS = {"accuracy": "'token_accuracy' (train, train-eval) or 'exact_match' "
+                                "(inference eval), both in percent"}
+
+
 def _lookup(metrics_by_task: TaskMetrics, task: str, metric: str, action: str) -> float | None:
   """The value of `metric` for `task`, or None when this mode did not report the task."""
   if task not in metrics_by_task:
     return None
   metrics = metrics_by_task[task]
   if metric not in metrics:
+    renamed = (f" '{metric}' is now {_RENAMED_METRICS[metric]}."
+               if metric in _RENAMED_METRICS else "")
     raise UserError(f"{action}: task '{task}' has no metric '{metric}'; its metrics are "
-                    f"{sorted(metrics)}.")
+                    f"{sorted(metrics)}.{renamed}")
   return float(metrics[metric])
 
 
@@ -69,7 +76,8 @@ class EarlyStopping(Action):
 
   Args:
     task: the task (or mixture) whose metric is watched.
-    metric: metric name, e.g. 'loss' (TRAIN_EVAL) or 'accuracy' (INFER_EVAL).
+    metric: metric name, e.g. 'loss' or 'token_accuracy' (TRAIN_EVAL) or
+      'exact_match' (INFER_EVAL).
     mode: 'min' if lower is better, 'max' if higher is better.
     patience: how many checks in a row without improvement are tolerated.
     tolerance: an improvement must beat the best value by more than this.

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import tokenize
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 from absl import flags
@@ -639,10 +640,14 @@ def _train_entry() -> Callable[..., object]:
   return functools.partial(configured, summarize_config_fn=write_operative_config)
 
 
-# Warnings SeqIO and Orbax give on every normal run (unused pretokenized
-# features, generous eval lengths, read-only checkpoint managers); errors
-# from them still show.
-_NOISY_LIBRARIES = (f"{os.sep}seqio{os.sep}", f"{os.sep}orbax{os.sep}")
+# Libraries whose warnings are about their own workings, not the user's run:
+# SeqIO's and Orbax's on every normal run (unused pretokenized features,
+# generous eval lengths, read-only checkpoint managers), TensorFlow's
+# (AutoGraph leaving a map function of SeqIO's as written, which it asks to
+# be reported to the TensorFlow team), JAX's and Flax's. Errors from them
+# still show; --verbosity shows everything.
+_NOISY_PACKAGES = ("seqio", "orbax", "tensorflow", "jax", "jaxlib", "flax", "clu")
+_NOISY_LIBRARIES = tuple(f"{os.sep}{package}{os.sep}" for package in _NOISY_PACKAGES)
 # Errors a library logs from a background thread and then raises again to
 # its caller, where t5lite reports them: a failed write once, as the run's
 # last line (exit 5); anything else with its traceback. Shown as well, one
@@ -706,17 +711,31 @@ def _drop_abandoned_loop_reports(hook: Callable[..., None]) -> Callable[..., Non
   return unraisable
 
 
+def verbosity_given(argv: Sequence[str]) -> bool:
+  """Whether the command line sets absl's --verbosity, in any of the
+  spellings absl accepts (--verbosity=1, --v=0, -v 1, ...)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if arg.startswith("-") and arg.lstrip("-").split("=", 1)[0] in ("verbosity", "v"):
+      return True
+  return False
+
+
 def _quiet_libraries(argv: Sequence[str]) -> None:
   # Orbax and TensorFlow log every file they touch at INFO; the progress lines
-  # are what a person reads. --verbosity=0 brings the library logs back, and
-  # the native start-up output of TensorFlow and XLA with them.
+  # are what a person reads. An explicit --verbosity brings the library logs
+  # back, and the native start-up output of TensorFlow and XLA with them.
   global _LIBRARY_LOGS
-  _LIBRARY_LOGS = any(a == "-v" or a.startswith(("--verbosity", "-v=")) for a in argv)
+  _LIBRARY_LOGS = verbosity_given(argv)
   if not _LIBRARY_LOGS:
     from absl import logging
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_handler().addFilter(_drop_library_warnings)
     sys.unraisablehook = _drop_abandoned_loop_reports(sys.unraisablehook)
+    # Python warnings raised inside those libraries (a deprecation in one
+    # library of another's API); one they attribute to t5lite still shows.
+    warnings.filterwarnings("ignore", module=rf"({'|'.join(_NOISY_PACKAGES)})(\.|$)")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

@@ -24,6 +24,10 @@ from t5lite.train_state import TrainState
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
+# Token accuracy is a percentage, the scale of the inference eval's
+# `exact_match`, so every accuracy a run shows reads the same way (T5X logs
+# a fraction; docs/evaluation.md).
+TOKEN_ACCURACY_SCALE = 100.0
 
 
 class Model(Protocol):
@@ -98,7 +102,8 @@ def summarize(loss: jax.Array, sums: Metrics, normalizer: jax.Array) -> Metrics:
   if "z_loss_sum" in sums:
     metrics["z_loss"] = sums["z_loss_sum"] / _safe(normalizer)
   if "correct_sum" in sums and "weight_sum" in sums:
-    metrics["accuracy"] = sums["correct_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
+    metrics["token_accuracy"] = (TOKEN_ACCURACY_SCALE * sums["correct_sum"]
+                                 / jnp.maximum(sums["weight_sum"], 1.0))
   for name, value in sums.items():
     # Namespaced extras from the model (e.g. experts/...) arrive already
     # divided per microbatch, so their sum is the batch mean: pass through.
@@ -114,7 +119,8 @@ def eval_metrics(loss: jax.Array, sums: Metrics, normalizer: jax.Array, num_rows
   Each is a `metrics.Average` weighted so that merging batches gives what
   one batch holding all of their examples would: the losses by the loss
   normalizer (the weighted target tokens, or `loss_normalizing_factor` per
-  batch), accuracy by the weighted tokens (T5X's masked `Accuracy`), and the
+  batch), token accuracy by the weighted tokens (T5X's masked `Accuracy`,
+  in percent), and the
   model's batch means (`experts/...`) by the batch's rows. `num_tokens` is
   the total of weighted tokens.
 
@@ -134,7 +140,8 @@ def eval_metrics(loss: jax.Array, sums: Metrics, normalizer: jax.Array, num_rows
   if "z_loss_sum" in sums:
     out["z_loss"] = metrics_lib.Average(total=sums["z_loss_sum"], count=normalizer)
   if "correct_sum" in sums and "weight_sum" in sums:
-    out["accuracy"] = metrics_lib.Average(total=sums["correct_sum"], count=sums["weight_sum"])
+    out["token_accuracy"] = metrics_lib.Average(total=TOKEN_ACCURACY_SCALE * sums["correct_sum"],
+                                                count=sums["weight_sum"])
   for name, value in sums.items():
     if "/" in name:
       out[name] = metrics_lib.Average(total=value * rows, count=rows)

@@ -1,5 +1,6 @@
 """Runs t5lite on T5X's recorded runs (tests/data/t5x_train/) and prints what it
-measured, as JSON: the per-step losses and each parameter's gap to T5X's
+measured, as JSON: the per-step losses and token accuracies and each
+parameter's gap to T5X's
 checkpoints. `test_t5x_training.py` starts it in a process of its own with
 XLA's default settings, as `t5lite-train` compiles (the test suite compiles
 with LLVM optimisation off, which rounds differently).
@@ -73,16 +74,18 @@ class _Run:
     checkpointer.close()
 
   def train(self, end):
-    """Steps start+1..end on T5X's batches; the logged losses."""
-    losses = []
+    """Steps start+1..end on T5X's batches; the logged losses and token
+    accuracies (percent)."""
+    losses, accuracies = [], []
     with self.partitioner.activate():
       for index in range(self.start, end):
         batch = {k: jax.device_put(v[index], self.batch_shardings[k])
                  for k, v in self.batches.items()}
         self.state, metrics = self.step_fn(self.state, batch)
         losses.append(float(metrics["loss"]))
+        accuracies.append(float(metrics["token_accuracy"]))
     self.start = end
-    return np.array(losses)
+    return losses, accuracies
 
 
 def _t5x_params(fixture, step):
@@ -112,13 +115,16 @@ L2 = "all parameters (L2)"
 
 def _measure(run, checkpoints, end):
   """Trains to `end`, recording the gaps at each of `checkpoints` on the way."""
-  losses, gaps = [], {}
+  losses, accuracies, gaps = [], [], {}
   for step in [*checkpoints, end]:
     if step > run.start:
-      losses.extend(run.train(step).tolist())
+      more_losses, more_accuracies = run.train(step)
+      losses.extend(more_losses)
+      accuracies.extend(more_accuracies)
     if step in checkpoints or step == end:
       gaps[step] = _param_gaps(run.state.params, run.fixture, step)
-  return {"losses": losses, "gaps": {str(k): v for k, v in gaps.items()},
+  return {"losses": losses, "token_accuracies": accuracies,
+          "gaps": {str(k): v for k, v in gaps.items()},
           "learning_rate": float(optimizers.learning_rate_from_state(run.state.opt_state))}
 
 

@@ -31,8 +31,15 @@ def test_early_stopping_max_and_tolerance():
 def test_early_stopping_ignores_other_tasks_and_names_missing_metrics():
   stop = actions.EarlyStopping(task="t", metric="loss", patience=1)
   assert not stop.run(0, {"other": {"loss": 1.0}})
-  with pytest.raises(ValueError, match="task 't' has no metric 'loss'.*'accuracy'"):
-    stop.run(1, {"t": {"accuracy": 1.0}})
+  with pytest.raises(ValueError, match="task 't' has no metric 'loss'.*'exact_match'"):
+    stop.run(1, {"t": {"exact_match": 100.0}})
+
+
+def test_a_config_watching_the_old_accuracy_is_told_its_new_names():
+  stop = actions.EarlyStopping(task="t", metric="accuracy", mode="max", patience=1)
+  with pytest.raises(ValueError, match=r"'accuracy' is now 'token_accuracy' \(train, train-eval\) "
+                     r"or 'exact_match' \(inference eval\), both in percent\.$"):
+    stop.run(1, {"t": {"exact_match": 100.0}})
 
 
 @pytest.mark.parametrize("kwargs,match", [

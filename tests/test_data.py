@@ -259,7 +259,7 @@ def test_arithmetic_metric_and_postprocessing():
   assert task.postprocess_fn(" 42 \n", example={}, is_target=False) == "42"
   assert task.postprocess_fn(b"-7", example={}, is_target=True) == "-7"
   (metric_fn,) = task.metric_fns
-  assert metric_fn(["1", "2", "3", "4"], ["1", "2", "0", "4"]) == {"accuracy": 75.0}
+  assert metric_fn(["1", "2", "3", "4"], ["1", "2", "0", "4"]) == {"exact_match": 75.0}
   with pytest.raises(ValueError, match="Got 2 targets but 1 predictions"):
     metric_fn(["1", "2"], ["1"])
 

@@ -128,14 +128,14 @@ def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
   finally:
     evaluator.close()
   # 13 examples in batches of 4: the last batch is 3 real rows and 1 padding.
-  assert results == {"t5lite_test_echo": {"accuracy": 100.0, "score_order": 100.0}}
+  assert results == {"t5lite_test_echo": {"exact_match": 100.0, "score_order": 100.0}}
   out = tmp_path / "inference_eval"
   rows = [json.loads(line) for line in (out / "t5lite_test_echo-000007.jsonl").open()]
   assert [r["prediction"] for r in rows] == examples
   assert [r["target"] for r in rows] == examples
   metrics = [json.loads(line) for line in (out / "t5lite_test_echo-metrics.jsonl").open()]
-  assert metrics == [{"step": 7, "accuracy": 100.0, "score_order": 100.0}]
-  assert scalars(str(out / "t5lite_test_echo"), "accuracy") == {7: 100.0}
+  assert metrics == [{"step": 7, "exact_match": 100.0, "score_order": 100.0}]
+  assert scalars(str(out / "t5lite_test_echo"), "exact_match") == {7: 100.0}
 
 
 # The whole validation split (1000 examples) is decoded in batches of 200: 5
@@ -163,7 +163,7 @@ def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
     results = evaluator.evaluate(1, {})["t5lite_test_echo_weights"]
   finally:
     evaluator.close()
-  assert results["accuracy"] == pytest.approx(100.0 * 12 / 13)
+  assert results["exact_match"] == pytest.approx(100.0 * 12 / 13)
 
 
 def test_failed_jsonl_write_is_a_write_error_naming_dir_and_step(tmp_path):
@@ -193,7 +193,7 @@ def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path):
   result = run_cli([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
   trained = os.path.join(model_dir, "inference_eval")
-  assert scalars(os.path.join(trained, "t5lite_arithmetic"), "accuracy").keys() == {2, 4}
+  assert scalars(os.path.join(trained, "t5lite_arithmetic"), "exact_match").keys() == {2, 4}
 
   args = [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}'", f"--gin.EVAL_OUTPUT_DIR='{eval_dir}'"]
   result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
@@ -205,8 +205,8 @@ def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path):
     assert _read(os.path.join(evaluated, name)) == _read(os.path.join(trained, name)), name
   assert len(_read(os.path.join(evaluated, "t5lite_arithmetic-000004.jsonl")).splitlines()) \
       == 1000  # every validation example
-  assert scalars(os.path.join(evaluated, "t5lite_arithmetic"), "accuracy") == \
-      scalars(os.path.join(trained, "t5lite_arithmetic"), "accuracy")
+  assert scalars(os.path.join(evaluated, "t5lite_arithmetic"), "exact_match") == \
+      scalars(os.path.join(trained, "t5lite_arithmetic"), "exact_match")
 
   # A second pass over the directory skips both steps.
   result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
@@ -293,7 +293,7 @@ def test_two_processes_stop_together_and_evaluate_like_one(tmp_path):
                 "--gin.actions.EarlyStopping.tolerance=1000.0"], "train", 2))
   assert max(int(s) for s in os.listdir(model_dir / "checkpoints")) == 6
   trained = model_dir / "inference_eval"
-  assert scalars(str(trained / "t5lite_arithmetic"), "accuracy").keys() == {2, 4, 6}
+  assert scalars(str(trained / "t5lite_arithmetic"), "exact_match").keys() == {2, 4, 6}
 
   # The same checkpoint evaluated by 1 process and by 2 gives the decodes
   # training wrote, in input order, and the same teacher-forced loss.

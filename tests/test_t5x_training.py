@@ -80,6 +80,7 @@ def _check(measured, first_step, metrics=METRICS, chaos=True):
   for step, gap in enumerate(np.abs(losses - want) / want, start=first_step):
     bound = _loss_bound(step, chaos)
     assert gap <= bound, f"step {step}: loss off T5X's by {gap:.2e} (bound {bound:.1e})"
+  _check_token_accuracy(measured, first_step, metrics)
   for step, gaps in measured["gaps"].items():
     bound = 1e-5 if step == "10" else max(1e-4, CHAOS_L2_30 if chaos else 0)
     assert gaps.pop(L2) <= bound, f"all parameters off T5X's checkpoint_{step} (bound {bound:.1e})"
@@ -88,6 +89,18 @@ def _check(measured, first_step, metrics=METRICS, chaos=True):
     assert gaps[worst] <= bound, (f"{worst} off T5X's checkpoint_{step} by {gaps[worst]:.2e} "
                                   f"(bound {bound:.1e})")
   assert measured["learning_rate"] == pytest.approx(0.1)
+
+
+def _check_token_accuracy(measured, first_step, metrics):
+  """The same tokens right as T5X at each step its loss is matched to 1e-5.
+
+  T5X logs the token accuracy as a fraction (0-1), t5lite as a percentage.
+  """
+  got = np.array(measured["token_accuracies"])
+  want = 100 * metrics["accuracy"][first_step - 1:first_step - 1 + len(got)]
+  close = [i for i, step in enumerate(range(first_step, first_step + len(got)), start=0)
+           if step <= 10]
+  np.testing.assert_allclose(got[close], want[close], rtol=1e-6)
 
 
 def test_the_fixture_is_t5x_s_own_deterministic_run():

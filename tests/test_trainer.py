@@ -59,7 +59,7 @@ def test_train_step_metrics_and_update(model_and_params):
   new_state, metrics = trainer.train_step(state, batch, model=model, dropout_seed=0,
                                           num_microbatches=None)
   assert int(new_state.step) == 1
-  assert set(metrics) >= {"loss", "accuracy", "z_loss", "cross_ent_loss", "learning_rate",
+  assert set(metrics) >= {"loss", "token_accuracy", "z_loss", "cross_ent_loss", "learning_rate",
                           "num_tokens", "grad_norm", "param_norm", "update_ratio"}
   assert 0 < float(metrics["update_ratio"]) < 0.1  # a normal step moves the parameters a little
   np.testing.assert_allclose(metrics["learning_rate"], 0.01, rtol=1e-6)
@@ -129,7 +129,8 @@ def test_eval_metrics_weigh_batches_by_tokens_not_one_vote_each(model_and_params
                              / tokens, rtol=1e-6)
   np.testing.assert_allclose(merged["cross_ent_loss"], total("cross_ent_sum") / tokens,
                              rtol=1e-6)
-  np.testing.assert_allclose(merged["accuracy"], total("correct_sum") / tokens, rtol=1e-6)
+  np.testing.assert_allclose(merged["token_accuracy"], 100 * total("correct_sum") / tokens,
+                             rtol=1e-6)
   assert merged["num_tokens"] == tokens
   per_batch = [metrics_lib.merge_and_compute([step(params, b)])["loss"] for b in (full, sparse)]
   assert abs(np.mean(per_batch) - merged["loss"]) > 0.05  # the old per-batch mean differs
@@ -142,7 +143,7 @@ def test_a_batch_without_loss_weights_gives_no_nan(model_and_params):
   empty = dict(full, decoder_loss_weights=jnp.zeros((B, LT)))
   step = jax.jit(lambda p, b: trainer.eval_step(p, b, model=model))
   alone = metrics_lib.merge_and_compute([step(params, empty)])
-  assert alone == {"loss": 0.0, "cross_ent_loss": 0.0, "z_loss": 0.0, "accuracy": 0.0,
+  assert alone == {"loss": 0.0, "cross_ent_loss": 0.0, "z_loss": 0.0, "token_accuracy": 0.0,
                    "num_tokens": 0.0}
   # Merged with a real batch it adds nothing.
   assert (metrics_lib.merge_and_compute([step(params, full), step(params, empty)])

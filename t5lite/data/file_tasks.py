@@ -426,7 +426,7 @@ def register_file_task(name: str,
     strip: drop whitespace around every value.
     inputs_prefix: text put before every input, e.g. 'translate: '.
     metrics: inference-eval metrics by name, from `available_metrics()`:
-      'exact_match' ({'accuracy': percent}), 'bleu' (needs sacrebleu),
+      'exact_match' ({'exact_match': percent}), 'bleu' (needs sacrebleu),
       'rouge' (needs rouge_score).
 
   Returns:

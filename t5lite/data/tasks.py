@@ -289,7 +289,8 @@ def exact_match_accuracy(targets: Sequence[str], predictions: Sequence[str]) -> 
     predictions: postprocessed predicted strings, same length.
 
   Returns:
-    {"accuracy": percent}.
+    {"exact_match": percent}: named apart from training's per-token
+    `token_accuracy`, on the same 0-100 scale.
 
   Raises:
     ValueError: if the two sequences differ in length.
@@ -300,9 +301,9 @@ def exact_match_accuracy(targets: Sequence[str], predictions: Sequence[str]) -> 
         "they must pair up."
     )
   if not targets:
-    return {"accuracy": 0.0}
+    return {"exact_match": 0.0}
   correct = sum(t == p for t, p in zip(targets, predictions))
-  return {"accuracy": 100.0 * correct / len(targets)}
+  return {"exact_match": 100.0 * correct / len(targets)}
 
 
 def strip_whitespace(output: str | bytes, example: object = None, is_target: bool = False) -> str:
