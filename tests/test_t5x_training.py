@@ -18,9 +18,14 @@ up to 2e-4 at step 23 and 1.1e-2 at step 30, and by 12-100 % of a tensor's
 largest value at checkpoint_30 (1-6 % of the norm of all parameters), while an
 unchanged rerun is bitwise equal. No
 implementation that is not T5X's compiled program bit for bit can be held
-closer than that spread, so there the bound is T5X's own spread.
+closer than that spread, so there the bound is T5X's own spread. Nor is
+T5X bitwise itself on another CPU: replayed on a machine with AVX-512 BF16
+and 2 cores (`t5x_chaos_more.npz`, written by `t5x_chaos_more.py`), it
+lands 7.3e-5 from deconly_b's checkpoint_20, and up to 1.5e-4 from a
+perturbed start, so deconly_b's checkpoint_20 is held to that spread too.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -44,6 +49,7 @@ METRICS = _load("encdec_a/metrics.npz")
 DECODER_ONLY_METRICS = _load("deconly_b/metrics.npz")
 BFLOAT16_METRICS = _load("encdec_a_bf16_metrics.npz")
 CHAOS = _load("t5x_chaos.npz")
+MORE = _load("t5x_chaos_more.npz")
 
 
 def _measure(case, tmp_path):
@@ -58,36 +64,73 @@ def _measure(case, tmp_path):
   return json.loads(line[len("RESULT "):])
 
 
-# T5X's own spread at each step under a one-ulp-scale change of its start
-# (the largest over eight seeds), and at checkpoint_30.
-CHAOS_LOSS = np.max(np.abs(CHAOS["loss_perturbed"] - CHAOS["loss_logged"]) / CHAOS["loss_logged"],
-                    axis=0)
-CHAOS_CHECKPOINT_30 = float(np.max(CHAOS["ckpt_rel_diff_perturbed"][:, 1]))
-# ... and of all parameters together, ||dp|| / ||p||, after step 30.
-CHAOS_L2_30 = float(np.max(CHAOS["param_rel_l2_perturbed"][:, 29]))
+@dataclasses.dataclass(frozen=True)
+class Spread:
+  """How far T5X itself lands from one of its logged runs when the run is
+  repeated with a one-ulp-scale change of its start (and, for the runs
+  measured in `t5x_chaos_more.py`, on another CPU): per step, the largest
+  relative loss difference; per checkpoint step, the largest
+  max|dp| / max|p| of any tensor and ||dp|| / ||p|| of all parameters."""
+
+  loss: np.ndarray
+  checkpoint: dict
+  l2: dict
+
+
+# encdec_a: eight perturbed replays on the machine that wrote the run.
+ENCDEC_SPREAD = Spread(
+    loss=np.max(np.abs(CHAOS["loss_perturbed"] - CHAOS["loss_logged"]) / CHAOS["loss_logged"],
+                axis=0),
+    checkpoint={"30": float(np.max(CHAOS["ckpt_rel_diff_perturbed"][:, 1]))},
+    l2={"30": float(np.max(CHAOS["param_rel_l2_perturbed"][:, 29]))})
+
+
+def _spread_here(run):
+  """deconly_b: T5X replayed on a CPU unlike the one that wrote the run
+  (AVX-512 with BF16, 2 cores), unchanged and from eight perturbed starts;
+  the largest distance of any of them from the logged run."""
+  logged = MORE[f"{run}_loss_logged"]
+  losses = np.concatenate([MORE[f"{run}_loss_rerun"][None], MORE[f"{run}_loss_perturbed"]])
+  return np.max(np.abs(losses - logged) / logged, axis=0)
+
+
+DECONLY_SPREAD = Spread(
+    loss=_spread_here("deconly"),
+    checkpoint={str(step): float(max(MORE["deconly_ckpt_rel_diff_rerun"][i],
+                                     MORE["deconly_ckpt_rel_diff_perturbed"][:, i].max()))
+                for i, step in enumerate([10, 20])},
+    l2={str(step): float(max(MORE["deconly_ckpt_rel_l2_rerun"][i],
+                             MORE["deconly_ckpt_rel_l2_perturbed"][:, i].max()))
+        for i, step in enumerate([10, 20])})
 L2 = "all parameters (L2)"  # t5x_parity_worker's key
 
 
-def _loss_bound(step, chaos):
+def _loss_bound(step, spread):
   """1e-5 to step 10, 1e-4 after, unless T5X's own spread is larger there."""
-  bound = 1e-5 if step <= 10 else 1e-4
-  return max(bound, CHAOS_LOSS[step - 1]) if chaos else bound
+  return max(1e-5 if step <= 10 else 1e-4, spread.loss[step - 1])
 
 
-def _check(measured, first_step, metrics=METRICS, chaos=True):
+def _checkpoint_bound(step, spread, which):
+  """checkpoint_10 within 1e-5 (T5X's own spread there is 1.3e-5 to 1.7e-5,
+  t5lite is held to the issue's bound), later ones within 1e-4 unless T5X's
+  own spread is larger."""
+  return 1e-5 if step == "10" else max(1e-4, getattr(spread, which).get(step, 0))
+
+
+def _check(measured, first_step, metrics=METRICS, spread=ENCDEC_SPREAD):
   losses = np.array(measured["losses"])
   want = metrics["loss"][first_step - 1:first_step - 1 + len(losses)]
   for step, gap in enumerate(np.abs(losses - want) / want, start=first_step):
-    bound = _loss_bound(step, chaos)
+    bound = _loss_bound(step, spread)
     assert gap <= bound, f"step {step}: loss off T5X's by {gap:.2e} (bound {bound:.1e})"
   _check_token_accuracy(measured, first_step, metrics)
   for step, gaps in measured["gaps"].items():
-    bound = 1e-5 if step == "10" else max(1e-4, CHAOS_L2_30 if chaos else 0)
+    bound = _checkpoint_bound(step, spread, "l2")
     assert gaps.pop(L2) <= bound, f"all parameters off T5X's checkpoint_{step} (bound {bound:.1e})"
-    bound = 1e-5 if step == "10" else max(1e-4, CHAOS_CHECKPOINT_30 if chaos else 0)
+    bound = _checkpoint_bound(step, spread, "checkpoint")
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] <= bound, (f"{worst} off T5X's checkpoint_{step} by {gaps[worst]:.2e} "
-                                  f"(bound {bound:.1e})")
+                                  f"(bound {bound:.2e})")
   assert measured["learning_rate"] == pytest.approx(0.1)
 
 
@@ -104,12 +147,27 @@ def _check_token_accuracy(measured, first_step, metrics):
 
 
 def test_the_fixture_is_t5x_s_own_deterministic_run():
-  # T5X rerun from checkpoint_0 gave its logged losses bitwise (t5x_chaos.py);
-  # the spread used past step 22 is T5X's, not t5lite's.
+  # On the machine that wrote it, T5X rerun from checkpoint_0 gave its logged
+  # losses bitwise (t5x_chaos.py); the spread used past step 22 is T5X's, not
+  # t5lite's.
   np.testing.assert_array_equal(CHAOS["loss_rerun"], METRICS["loss"])
   assert np.all(CHAOS["ckpt_rel_diff_rerun"] == 0)
-  assert CHAOS_LOSS[:10].max() < 1e-5 and CHAOS_LOSS[:22].max() < 1e-4
-  assert CHAOS_LOSS[25:].min() > 1e-4
+  assert ENCDEC_SPREAD.loss[:10].max() < 1e-5 and ENCDEC_SPREAD.loss[:22].max() < 1e-4
+  assert ENCDEC_SPREAD.loss[25:].min() > 1e-4
+
+
+def test_t5x_on_another_cpu_is_not_bitwise_its_own_run():
+  # t5x_chaos_more.py: T5X on a CPU with AVX-512 BF16 and 2 cores (XLA's CPU
+  # kernels follow the instruction set and the thread count) reproduces none
+  # of the runs bitwise. That is why the bounds past step 10 take T5X's own
+  # spread where it is larger: deconly_b's checkpoint_20 is 7.3e-5 away
+  # unchanged and up to 1.5e-4 from a perturbed start.
+  assert not MORE["deconly_loss_bitwise"] and not MORE["f32_rerun_bitwise"]
+  assert not MORE["bf16_loss_bitwise"]
+  assert MORE["deconly_ckpt_rel_diff_rerun"][0] < 1e-5
+  assert DECONLY_SPREAD.checkpoint["20"] > 1e-4
+  assert DECONLY_SPREAD.loss[:10].max() < 1e-5 and DECONLY_SPREAD.loss.max() < 1e-4
+  assert MORE["f32_ckpt_rel_diff_rerun"][0] < 1e-5
 
 
 @pytest.mark.parametrize("case", ["start", "start_scanned"])
@@ -127,26 +185,31 @@ def test_a_t5x_run_continues_from_its_step_10_state(tmp_path):
 
 @pytest.mark.parametrize("case", ["decoder_only", "decoder_only_scanned"])
 def test_decoder_only_twenty_steps_match_t5x_s_run(tmp_path, case):
-  # deconly_b: T5X's own decoder-only run; its 20 steps stay inside the
-  # issue's bounds (no chaos allowance).
+  # deconly_b: T5X's own decoder-only run. Its losses stay inside the
+  # issue's bounds; at checkpoint_20 T5X's own spread (1.5e-4) is larger.
   measured = _measure(case, tmp_path)
   assert len(measured["losses"]) == 20 and set(measured["gaps"]) == {"10", "20"}
-  _check(measured, 1, DECODER_ONLY_METRICS, chaos=False)
+  _check(measured, 1, DECODER_ONLY_METRICS, DECONLY_SPREAD)
 
 
 def test_bfloat16_activations_match_t5x_s_bfloat16_run(tmp_path):
   # bfloat16 keeps 8 significant bits (a rounding of up to 2e-3 per product);
-  # two implementations that round different intermediate products differ
-  # by that much per operation, which a sum over 100+ tokens averages at the
-  # first step and training then amplifies. T5X's own bfloat16 run is within
-  # 5.2e-5 of its float32 run at step 1 and 6.6e-3 by step 10, then departs
-  # by up to 34 % (a loss spike in one run only): hence 1e-3 at step 1, 1e-2
-  # to step 10, and nothing per step after (docs/from_t5x.md).
+  # two implementations, or two CPUs, that round different intermediate
+  # products differ by that much per operation, which a sum over 100+ tokens
+  # averages at the first step and training then amplifies. T5X's own
+  # bfloat16 run is within 5.2e-5 of its float32 run at step 1 and 6.6e-3 by
+  # step 10, then departs by up to 34 % (a loss spike in one run only); T5X
+  # replayed on another CPU, from its start or a perturbed one
+  # (t5x_chaos_more.py), lands up to 2.5e-4 from its logged bfloat16 run at
+  # step 1 and 1.3e-2 at step 6. Hence 1e-3 at step 1, 1e-2 to step 10 or
+  # T5X's own spread where larger, and nothing per step after
+  # (docs/from_t5x.md).
   measured = _measure("bfloat16", tmp_path)
   losses = np.array(measured["losses"])
   gaps = np.abs(losses - BFLOAT16_METRICS["loss"]) / BFLOAT16_METRICS["loss"]
-  assert gaps[0] <= 1e-3, gaps[0]
-  assert gaps[:10].max() <= 1e-2, gaps[:10]
+  spread = _spread_here("bf16")
+  bounds = np.maximum([1e-3] + [1e-2] * 9, spread[:10])
+  assert np.all(gaps[:10] <= bounds), (gaps[:10], bounds)
   # Still training the same way: the loss falls as T5X's does.
   assert losses[20:].mean() < 0.6 * losses[0]
   assert measured["learning_rate"] == pytest.approx(0.1)
