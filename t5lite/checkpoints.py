@@ -373,7 +373,13 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
     CheckpointMismatchError: naming up to five mismatched, missing or
       unexpected variables.
   """
-  saved, wanted = _saved_shapes(step_dir), _shapes_by_path(abstract_state)
+  _raise_mismatches(step_dir, _saved_shapes(step_dir), _shapes_by_path(abstract_state),
+                    "this model and optimizer",
+                    "Use the configuration it was trained with, or a new MODEL_DIR.")
+
+
+def _raise_mismatches(step_dir: str, saved: Mapping[str, tuple[int, ...]],
+                      wanted: Mapping[str, tuple[int, ...]], what: str, fix: str) -> None:
   # Parameters first: they are what a user recognises.
   order = lambda paths: sorted(paths, key=lambda p: (not p.startswith("params/"), p))  # noqa: E731
   problems = [f"{p} is {saved[p]} in the checkpoint but {wanted[p]} in the model"
@@ -384,9 +390,8 @@ def check_matches(step_dir: str, abstract_state: Any) -> None:
   if problems:
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     raise CheckpointMismatchError(
-        f"Checkpoint {step_dir} does not match this model and optimizer: "
-        + "; ".join(problems[:5]) + more
-        + ". Use the configuration it was trained with, or a new MODEL_DIR.")
+        f"Checkpoint {step_dir} does not match {what}: "
+        + "; ".join(problems[:5]) + more + ". " + fix)
 
 
 def _saved_iterators(directory: str, step: int) -> int:
@@ -821,6 +826,47 @@ def restore_from_path(config: RestoreCheckpointConfig, abstract_state: Any) -> t
     raise _naming_other_steps(e, directory) from e
   finally:
     manager.close()
+
+
+def restore_params(config: RestoreCheckpointConfig, abstract_params: Any) -> tuple[Any, int]:
+  """The parameters alone of the t5lite checkpoint an explicit restore config
+  names, placed with the shardings `abstract_params` carry.
+
+  The optimizer state is neither read nor compared: evaluation, inference and
+  export need none, and a checkpoint trained with any optimizer serves them.
+
+  Returns:
+    (params, step).
+
+  Raises:
+    CheckpointReadError: the step cannot be read (the message names it).
+    CheckpointMismatchError: its parameters are not this model's.
+  """
+  opened = open_checkpoint(config.path, config.mode)
+  directory, step = opened.directory, opened.step
+  step_dir = os.path.join(directory, str(step))
+  try:
+    saved = _saved_shapes(step_dir)
+  except CheckpointReadError as e:
+    raise _naming_other_steps(e, directory) from e
+  wanted = _shapes_by_path({"params": abstract_params})
+  _raise_mismatches(step_dir, {p: s for p, s in saved.items() if p.startswith("params/")},
+                    wanted, "this model", "Use the model configuration it was trained with.")
+  item = {"params": abstract_params}
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    with _reads_finished():
+      restored = checkpointer.restore(
+          os.path.join(step_dir, _ITEM),
+          args=ocp.args.PyTreeRestore(
+              item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+              partial_restore=True))
+  except _UNREADABLE as e:
+    unreadable = CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}")
+    raise _naming_other_steps(unreadable, directory) from e
+  finally:
+    checkpointer.close()
+  return restored["params"], step
 
 
 def _naming_other_steps(error: CheckpointReadError, directory: str) -> CheckpointReadError:

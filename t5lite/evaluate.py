@@ -81,19 +81,22 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
 
 def params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping[str, int],
                      opened: ckpt_lib.OpenedCheckpoint):
-  """Returns (params shardings, restore(step) -> params) for the checkpoint(s) `opened`."""
+  """Returns (params shardings, restore(step) -> params) for the checkpoint(s) `opened`.
+
+  Only parameters are read; the model's optimizer is not built into the
+  state, so a checkpoint trained with any optimizer serves.
+  """
   specs, _ = state_init.state_specs(model, partitioner,
-                                   *model.input_shapes_and_types(lengths, pack=False))
-  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.state_dict(),
-                                              specs.shardings.state_dict())
+                                   *model.input_shapes_and_types(lengths, pack=False),
+                                   with_optimizer=False)
+  abstract = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
 
   def restore(step: int) -> Any:
     if opened.foreign:
-      params = ckpt_lib.abstract_with_shardings(specs.abstract.params, specs.shardings.params)
-      return interop.load_params(opened.path, params)
+      return interop.load_params(opened.path, abstract)
     config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(opened.directory, str(step)),
                                               mode="specific")
-    return ckpt_lib.restore_from_path(config, abstract)[0]["params"]
+    return ckpt_lib.restore_params(config, abstract)[0]
   return specs.shardings.params, restore
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 from absl import logging
 from jax.extend import core as jax_core
 
@@ -44,14 +45,20 @@ class StateSpecs:
 
 
 def state_specs(model: BaseModel, partitioner: Partitioner, input_shapes: Mapping[str, tuple],
-                input_types: Mapping[str, Any]
+                input_types: Mapping[str, Any], with_optimizer: bool = True
                 ) -> tuple[StateSpecs, Callable[[jax.Array], TrainState]]:
-  """Abstract train state, its shardings, and the function that initialises it."""
+  """Abstract train state, its shardings, and the function that initialises it.
+
+  Without the optimizer (evaluation, inference, export: `model.optimizer` is
+  not used and may be None), the state holds no optimizer state.
+  """
+  tx = model.optimizer if with_optimizer else optax.identity()
+
   def boxed_and_state(rng):
     variables = model.get_initial_variables(rng, input_shapes, input_types)
     # The logical axes are static metadata of the boxed parameters; the
     # optimizer may factor its statistics by them (T5X's Adafactor).
-    return variables, TrainState.create(nn.unbox(variables["params"]), model.optimizer,
+    return variables, TrainState.create(nn.unbox(variables["params"]), tx,
                                         nn.get_partition_spec(variables)["params"])
 
   # The model's initialisation is traced once, here: the jaxpr gives the
