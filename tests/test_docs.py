@@ -380,9 +380,9 @@ def block_scripts(block: Block, box: Sandbox) -> list[Callable[[], str]]:
   return [lambda line=line: ci_line(line, box, where) for line in lines]
 
 
-# Pages a reader follows top to bottom in a notebook: their ```python blocks
-# run as one script (see the module docstring).
-NOTEBOOKS = ("docs/python_api.md",)
+# Pages whose ```python blocks a reader runs in order (a notebook page, the
+# README's first steps): they run as one script (see the module docstring).
+NOTEBOOKS = ("README.md", "docs/python_api.md")
 NOTEBOOK_SCRIPT = "notebook.py"
 
 
