@@ -299,10 +299,11 @@ def _beam_step(s: _BeamState, logits: Array, cache: Cache, eos_id: int | None,
                alpha: float) -> _BeamState:
   """Extends every alive beam by every token and keeps the best.
 
-  Of the 2K best extensions, those ending in EOS and ranked among the first K
-  join the finished pool (scored with the brevity penalty); the K best of
-  the others stay alive. Only the first K ranks may finish so that one beam
-  is exactly greedy decoding.
+  Of the 2K best extensions, those ending in EOS join the finished pool
+  (scored with the brevity penalty), which keeps its K best; the K best of
+  the others stay alive. As in T5X, any of the 2K may finish, so a short
+  ending ranked below the K best continuations is still found (and one beam
+  can end earlier than greedy decoding does, with a better score).
   """
   batch, beams, _ = s.alive_tokens.shape
   vocab = logits.shape[-1]
@@ -320,9 +321,7 @@ def _beam_step(s: _BeamState, logits: Array, cache: Cache, eos_id: int | None,
   new_parent = jnp.take_along_axis(parent, keep, axis=1)  # [B, K]
   last_tokens = jnp.take_along_axis(token, keep, axis=1).reshape(-1)
 
-  ranked_first = jnp.arange(2 * beams) < beams
-  new_scores = jnp.where(is_eos & ranked_first,
-                         top_log_probs / brevity_penalty(alpha, s.step + 1), NEG_INF)
+  new_scores = jnp.where(is_eos, top_log_probs / brevity_penalty(alpha, s.step + 1), NEG_INF)
   pool_scores = jnp.concatenate([s.finished_scores, new_scores], axis=1)  # [B, 3K]
   finished_scores, pick = lax.top_k(pool_scores, beams)
   pool_tokens = jnp.concatenate([s.finished_tokens, extended], axis=1)
@@ -338,11 +337,14 @@ def beam_search(tokens_to_logits: TokensToLogits, initial_cache: Cache, first_to
                 num_beams: int = 4, alpha: float = 0.6) -> tuple[Array, Array]:
   """Beam search with T5X length normalisation.
 
-  A finished beam of L tokens (EOS included) scores `log p / ((5 + L) / 6) **
-  alpha`. The search stops early once, for every example, the worst of the
-  `num_beams` finished beams beats the best score any alive beam could still
-  reach. Beams still alive at `max_decode_length` compete as finished ones
-  of that length.
+  T5X's algorithm: a finished beam of L tokens (EOS included) scores
+  `log p / ((5 + L) / 6) ** alpha`. The search stops early once, for every
+  example, the worst of the `num_beams` finished beams beats the best score
+  any alive beam could still reach. Finished beams are returned before
+  beams still alive at `max_decode_length`, whatever their scores, as T5X
+  returns them; alive beams (scored by their log-probability, as T5X scores
+  them) fill only the places of `num_decodes` that no finished beam takes,
+  where T5X returns empty sequences scored -1e7.
 
   Args:
     tokens_to_logits: model step (see the module docstring).
@@ -358,8 +360,9 @@ def beam_search(tokens_to_logits: TokensToLogits, initial_cache: Cache, first_to
     alpha: length normalisation strength, >= 0 (0: plain log-probability).
 
   Returns:
-    tokens int32 `[batch, num_decodes, max_decode_length]` and their
-    length-normalised scores float32 `[batch, num_decodes]`, best last.
+    tokens int32 `[batch, num_decodes, max_decode_length]` and their scores
+    float32 `[batch, num_decodes]`, best last: the finished beams, best last,
+    after any alive ones.
 
   Raises:
     ValueError: num_beams < 1, alpha < 0, or num_decodes outside
@@ -402,7 +405,13 @@ def beam_search(tokens_to_logits: TokensToLogits, initial_cache: Cache, first_to
     return _beam_step(s, logits, cache, eos_id, alpha)
 
   final = lax.while_loop(cond, body, init)
-  scores = jnp.concatenate([final.finished_scores, final.alive_log_probs / max_penalty], 1)
+  # Both pools are sorted, best first; the finished ones come first, then
+  # alive ones in the places left: place j of an example with n finished
+  # beams takes finished beam j if j < n, else alive beam j - n.
+  num_finished = jnp.sum(final.finished_scores > NEG_INF / 2, axis=1, keepdims=True)  # [B, 1]
+  place = jnp.arange(num_decodes)[None]  # [1, num_decodes]
+  pick = jnp.where(place < num_finished, place, beams + place - num_finished)  # [B, num_decodes]
+  scores = jnp.concatenate([final.finished_scores, final.alive_log_probs], axis=1)  # [B, 2K]
   tokens = jnp.concatenate([final.finished_tokens, final.alive_tokens], axis=1)
-  best_scores, pick = lax.top_k(scores, num_decodes)  # decreasing
-  return _gather(tokens, pick)[:, ::-1], best_scores[:, ::-1]
+  picked_scores = jnp.take_along_axis(scores, pick, axis=1)
+  return _gather(tokens, pick)[:, ::-1], picked_scores[:, ::-1]

@@ -200,9 +200,11 @@ def test_filter_logits_keeps_ties_and_at_least_one_token():
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_one_beam_is_greedy(alpha):
-  # One beam keeps only the best extension, as greedy does; alpha only
-  # rescales the single finished score.
+def test_one_beam_is_greedy_on_this_chain(alpha):
+  # One beam continues with the best extension, as greedy does; it could
+  # also end earlier, on an EOS ranked second (as T5X's beam search does),
+  # but on this chain no such ending wins, and alpha only rescales the
+  # single finished score.
   greedy, greedy_scores = _decode(decoding.greedy, batch=5, length=5)
   beam, beam_scores = _decode(decoding.beam_search, batch=5, length=5, num_beams=1, alpha=alpha)
   np.testing.assert_array_equal(beam, greedy)
@@ -213,21 +215,48 @@ def test_one_beam_is_greedy(alpha):
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_exhaustive_beam_search_finds_the_best_sequence(alpha):
+@pytest.mark.parametrize("num_decodes", [5, 30])
+def test_exhaustive_beam_search_finds_the_best_sequences(alpha, num_decodes):
   # 80 beams keep every one of the 4**3 unfinished prefixes of length 3, so
-  # the search is exhaustive and must return the brute-force optimum.
+  # the search is exhaustive and must return the brute-force optimum: the
+  # finished sequences (21 of them) by length-normalised score, then, where
+  # fewer finished than asked for, the unfinished ones by log-probability.
   length = 3
   tokens, scores = _decode(decoding.beam_search, batch=3, length=length, num_beams=80,
-                           alpha=alpha, num_decodes=5)
+                           alpha=alpha, num_decodes=num_decodes)
   for b in range(3):
     candidates = []
     for seq in _all_chain_decodes(length):
-      n = seq.index(EOS) + 1 if EOS in seq else length
-      candidates.append((_chain_log_prob(b, seq) / ((5 + n) / 6) ** alpha, seq))
+      finished = EOS in seq
+      penalty = ((5 + seq.index(EOS) + 1) / 6) ** alpha if finished else 1.0
+      candidates.append((finished, _chain_log_prob(b, seq) / penalty, seq))
     candidates.sort()
-    best = candidates[-5:]  # increasing, best last, like the decoder
-    np.testing.assert_array_equal(tokens[b], [seq for _, seq in best])
-    np.testing.assert_allclose(scores[b], [s for s, _ in best], rtol=1e-5)
+    best = candidates[-num_decodes:]  # increasing, best last, like the decoder
+    np.testing.assert_array_equal(tokens[b], [seq for _, _, seq in best])
+    np.testing.assert_allclose(scores[b], [s for _, s, _ in best], rtol=1e-5)
+
+
+T5X_BEAM = os.path.join(os.path.dirname(__file__), "data", "t5x_decoding", "beam.npz")
+
+
+def test_beam_search_is_t5x_s():
+  # T5X's own beam_search on this chain (tests/data/t5x_decoding/make_beam.py)
+  # for 1-8 beams, alpha 0 / 0.6 / 1 and lengths 3 / 5 / 8. T5X fills places
+  # no finished beam takes with empty sequences scored -1e7; t5lite with the
+  # beams still alive (checked above), so only T5X's finished beams compare.
+  with np.load(T5X_BEAM, allow_pickle=False) as ref:
+    ref = dict(ref)
+  np.testing.assert_array_equal(ref["table"], CHAIN_TABLE)
+  for i, (beams, alpha10, length) in enumerate(ref["configs"]):
+    tokens, scores = _decode(decoding.beam_search, batch=5, length=int(length),
+                             num_beams=int(beams), alpha=alpha10 / 10)
+    want_tokens, want_scores = ref[f"tokens_{i}"], ref[f"scores_{i}"]
+    finished = want_scores > -1e6
+    assert finished.sum() > 0
+    for b in range(5):
+      np.testing.assert_array_equal(tokens[b][finished[b]], want_tokens[b][finished[b]])
+      np.testing.assert_allclose(scores[b][finished[b]], want_scores[b][finished[b]],
+                                 rtol=1e-5)
 
 
 def test_more_beams_never_score_below_greedy_here():
@@ -506,13 +535,23 @@ def test_predict_api_shapes_ordering_and_beam_width():
   assert np.all(aux["scores"][:, -1] >= greedy_aux["scores"] - 1e-5)
 
 
-def test_model_beam_of_one_equals_greedy():
+def test_model_beam_of_one_follows_greedy():
+  # One beam takes greedy's path; where an EOS ranked second on the way, the
+  # beam may end there instead (it finished; greedy's sequence had not).
   model, params, batch = _model("prefix", max_decode_length=4)
   greedy, greedy_aux = _jit(model, "predict_batch_with_aux")(params, batch)
   beam_model = _model("prefix", BEAM1, max_decode_length=4)[0]
   beam, beam_aux = _jit(beam_model, "predict_batch_with_aux")(params, batch)
-  np.testing.assert_array_equal(beam, greedy)
-  np.testing.assert_allclose(beam_aux["scores"], greedy_aux["scores"], rtol=1e-5)
+  ended_early = 0
+  for row, (got, want) in enumerate(zip(np.asarray(beam), np.asarray(greedy))):
+    if np.array_equal(got, want):
+      np.testing.assert_allclose(beam_aux["scores"][row], greedy_aux["scores"][row], rtol=1e-5)
+      continue
+    end = int(np.argmax(got == EOS))
+    assert got[end] == EOS and EOS not in want[:end + 1], (got, want)
+    np.testing.assert_array_equal(got[:end], want[:end])
+    ended_early += 1
+  assert ended_early < len(greedy)
 
 
 def test_inference_feature_converters_and_decode_defaults():
