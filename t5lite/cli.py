@@ -542,30 +542,42 @@ def _platform_missing_message(value: str, reasons: Sequence[str]) -> str:
           f"{has.split(', ')[0]}, or unset it to let JAX choose.")
 
 
-def _run(entry: Callable[[], Callable[..., object]]) -> None:
-  """Common start-up, then the gin-configured entry point with user errors as one line."""
+def start(entry: Callable[[], Callable[..., object]]) -> Callable[..., object]:
+  """What every command does before its work, from the parsed flags: checks
+  of the flags and the platform, the compilation cache, the multi-process
+  job, gin. Returns the configured run; raises `UserError` for bad input.
+
+  The console scripts call it through `_run`; tests call it in-process to
+  check what a command says about bad input without a process of its own.
+  """
   from t5lite import compilation_cache, distributed
+  if FLAGS.dry_run and entry is not _train_entry:
+    raise UserError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
+                    "the flag, or check the training config with t5lite-train --dry_run.")
+  if FLAGS.overwrite and entry is not _export_entry:
+    raise UserError("--overwrite is a t5lite-export flag (it lets an export replace "
+                    "EXPORT_DIR); this command has no use for it. Drop the flag.")
+  check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
+  # A dry run compiles nothing, so it leaves the cache directory alone too.
+  compilation_cache.configure(FLAGS.compilation_cache_dir,
+                              FLAGS.compilation_cache and not FLAGS.dry_run)
+  distributed.validate(_distributed_config())
+  _hide_gpus_from_tensorflow()
+  distributed.initialize(_distributed_config())
+  check_jax_platforms_present(os.environ.get("JAX_PLATFORMS"))
+  _configure_data_dirs()
+  _allow_user_modules_from_cwd()
+  parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
+  if FLAGS.mesh_selector:
+    select_mesh(FLAGS.mesh_selector)
+  return entry()
+
+
+def _run(entry: Callable[[], Callable[..., object]]) -> None:
+  """Start-up, then the gin-configured entry point with user errors as one line."""
+  from t5lite import distributed
   try:
-    if FLAGS.dry_run and entry is not _train_entry:
-      raise UserError("--dry_run is a t5lite-train flag; this command has no dry run. Drop "
-                      "the flag, or check the training config with t5lite-train --dry_run.")
-    if FLAGS.overwrite and entry is not _export_entry:
-      raise UserError("--overwrite is a t5lite-export flag (it lets an export replace "
-                      "EXPORT_DIR); this command has no use for it. Drop the flag.")
-    check_jax_platforms(os.environ.get("JAX_PLATFORMS"))
-    # A dry run compiles nothing, so it leaves the cache directory alone too.
-    compilation_cache.configure(FLAGS.compilation_cache_dir,
-                                FLAGS.compilation_cache and not FLAGS.dry_run)
-    distributed.validate(_distributed_config())
-    _hide_gpus_from_tensorflow()
-    distributed.initialize(_distributed_config())
-    check_jax_platforms_present(os.environ.get("JAX_PLATFORMS"))
-    _configure_data_dirs()
-    _allow_user_modules_from_cwd()
-    parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, gin_search_paths(FLAGS.gin_search_paths))
-    if FLAGS.mesh_selector:
-      select_mesh(FLAGS.mesh_selector)
-    run = entry()
+    run = start(entry)
     gc.freeze()  # modules and config live until exit: later collections skip them
     run()
   except UserError as error:  # raised on purpose where t5lite checks the input
@@ -785,22 +797,26 @@ def train_main() -> None:
   _main(_train_entry)
 
 
+def _eval_entry() -> Callable[..., object]:
+  import gin
+  from t5lite import evaluate
+  return gin.get_configurable(evaluate.evaluate)
+
+
+def _infer_entry() -> Callable[..., object]:
+  import gin
+  from t5lite import evaluate
+  return gin.get_configurable(evaluate.infer)
+
+
 def eval_main() -> None:
   """`t5lite-eval`."""
-  def entry():
-    import gin
-    from t5lite import evaluate
-    return gin.get_configurable(evaluate.evaluate)
-  _main(entry)
+  _main(_eval_entry)
 
 
 def infer_main() -> None:
   """`t5lite-infer`."""
-  def entry():
-    import gin
-    from t5lite import evaluate
-    return gin.get_configurable(evaluate.infer)
-  _main(entry)
+  _main(_infer_entry)
 
 
 def _export_entry() -> Callable[..., object]:
@@ -816,6 +832,11 @@ def _export_entry() -> Callable[..., object]:
 def export_main() -> None:
   """`t5lite-export`."""
   _main(_export_entry)
+
+
+# What each console script runs, by its name (`start` takes these).
+ENTRIES = {"t5lite-train": _train_entry, "t5lite-eval": _eval_entry,
+           "t5lite-infer": _infer_entry, "t5lite-export": _export_entry}
 
 
 if __name__ == "__main__":

@@ -5,13 +5,9 @@ import os
 import subprocess
 
 import pytest
-from test_cli import BIN, TINY, run_cli
+from test_cli import BIN, TINY, run_cli, user_error_line
 
 from t5lite import testing
-
-
-# End-to-end: real processes and training runs (part of `make test`).
-pytestmark = pytest.mark.slow
 
 
 def _snapshot(root):
@@ -29,6 +25,7 @@ def _last_line(result):
   return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path):
   model_dir = tmp_path / "run"
   base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2"]
@@ -47,43 +44,49 @@ def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path):
   assert _snapshot(model_dir) == before  # config.gin, model-info.txt, checkpoints untouched
 
 
-def test_model_dir_that_cannot_be_created(tmp_path):
-  blocker = tmp_path / "a_file"
-  blocker.write_text("not a directory")
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{blocker / 'run'}'"], cwd=str(tmp_path))
-  assert out.returncode == 2
-  assert "is not writable" in _last_line(out) and "choose another MODEL_DIR" in _last_line(out)
-
-
+# The one line and exit 2 of a user error, and nothing written, through the
+# console script once; the checks below run what the command runs in this
+# process (`user_error_line`), as the message is the same.
+@pytest.mark.slow
 def test_missing_required_macro(tmp_path):
   out = run_cli(TINY, cwd=str(tmp_path))
   assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [_last_line(out)], out.stderr[-3000:]
   assert _last_line(out).startswith("t5lite: ValueError: Macro MODEL_DIR is required "
                                     "(%gin.REQUIRED) but not set; pass --gin.MODEL_DIR=..."), \
       _last_line(out)
+  assert os.listdir(tmp_path) == []
 
 
-def test_restore_path_that_does_not_exist(tmp_path):
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
-                 "--gin.checkpoints.CheckpointConfig.restore=@checkpoints.RestoreCheckpointConfig()",
-                 f"--gin.checkpoints.RestoreCheckpointConfig.path='{tmp_path / 'nope'}'"],
-                cwd=str(tmp_path))
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert "No checkpoint found under restore path" in _last_line(out)
+def test_model_dir_that_cannot_be_created(tmp_path, monkeypatch):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  line = user_error_line([*TINY, f"--gin.MODEL_DIR='{blocker / 'run'}'"], str(tmp_path),
+                         monkeypatch)
+  assert "is not writable" in line and "choose another MODEL_DIR" in line
+
+
+def test_restore_path_that_does_not_exist(tmp_path, monkeypatch):
+  line = user_error_line(
+      [*TINY, f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+       "--gin.checkpoints.CheckpointConfig.restore=@checkpoints.RestoreCheckpointConfig()",
+       f"--gin.checkpoints.RestoreCheckpointConfig.path='{tmp_path / 'nope'}'"],
+      str(tmp_path), monkeypatch)
+  assert "No checkpoint found under restore path" in line
   assert not (tmp_path / "r").exists()  # not even an empty checkpoints/ directory
 
 
-def test_feature_lengths_missing_a_feature(tmp_path):
+def test_feature_lengths_missing_a_feature(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
-                 "--gin.TASK_FEATURE_LENGTHS={'inputs': 32}"], cwd=str(tmp_path))
-  assert out.returncode == 2, out.stderr[-2000:]
-  line = _last_line(out)
+  line = user_error_line([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                          "--gin.TASK_FEATURE_LENGTHS={'inputs': 32}"], str(tmp_path),
+                         monkeypatch)
   assert "task_feature_lengths keys ['inputs'] do not match the output features" in line
   assert "'t5lite_span_corruption': ['inputs', 'targets']" in line
   assert not model_dir.exists()
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_data_parallel_size(tmp_path, monkeypatch):
   # run_cli passes this process's environment on: 8 fake CPU devices there.
   monkeypatch.setenv("XLA_FLAGS", testing.fake_device_flags(8))
@@ -120,6 +123,7 @@ printed.wait()  # it has printed before the run stops, however busy the machine
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, text, noise, printed_before", [
     ("noisy_at_shutdown", _NOISY_AT_SHUTDOWN, "noise at shutdown", False),
     ("noisy_thread", _NOISY_THREAD, "noise from a library thread", True),
@@ -139,6 +143,7 @@ def test_reason_stays_the_last_line_whatever_else_prints(tmp_path, module, text,
 # What JAX_PLATFORMS asks for must be on this machine. The CI machines have
 # no NVIDIA GPU, and the test environment has no JAX CUDA or ROCm plugin, so
 # neither value can start there; t5lite-eval shares the check.
+@pytest.mark.slow
 @pytest.mark.parametrize("script, platforms", [("t5lite-train", "gpu"), ("t5lite-eval", "cuda")])
 def test_platform_this_machine_lacks_is_one_line_naming_what_it_has(tmp_path, script,
                                                                      platforms):
