@@ -8,6 +8,8 @@ at the end; before them the tests marked `longest` (the newcomer path of
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -15,17 +17,29 @@ import gin
 from t5lite import cli
 
 
-# Tests compile with XLA's default settings, the programs users get; a test
-# that needs other flags sets them in the processes it starts and says why.
-# No persistent compilation cache outlives a test or is shared between two:
-# each test's processes (the console scripts it starts, which turn JAX's
-# cache on by default) get a private, empty directory (`_private_caches`),
-# so a cached program of an earlier run or another test can neither hide a
-# compile failure nor stand in for the code under test. Set before anything
-# imports JAX, so that this process (the in-process tests) has no
-# persistent cache at all.
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# Every JAX program one `pytest` run compiles, in its processes and in the
+# processes its tests start (which inherit the environment), goes through one
+# persistent compilation cache, so a program several tests build is compiled
+# once. The directory is new for each run and removed at its end: nothing
+# cached by an earlier run, or another user, stands in for the code under
+# test. LLVM optimisation is off: it makes the compiled code faster, which
+# the tiny test programs do not need, and costs a third of the suite's CPU
+# time. The HLO and its partitioning are the same; results may differ in the
+# last bits, and every comparison in the suite runs both sides under these
+# flags or compares to a stated tolerance (the T5X parity worker runs at the
+# default level, `tests/test_t5x_training.py`). Set before anything imports
+# JAX; the `pytest-xdist` workers inherit them from the main process.
+if "T5LITE_TEST_XLA_CACHE_OWNER" not in os.environ:
+  os.environ["T5LITE_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="t5lite-test-xla-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
+                                    "--xla_backend_optimization_level=0"])
+
+
+def pytest_unconfigure(config):
+  if os.environ.get("T5LITE_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 # As in t5lite's console scripts (t5lite/cli.py): a larger youngest GC
@@ -36,13 +50,6 @@ cli.collect_garbage_less_during_start_up()
 
 def pytest_collection_finish(session):
   gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def _private_caches(tmp_path_factory, monkeypatch):
-  """Each test's own compilation cache directory, for the processes it starts."""
-  # It also stands in for t5lite's default directory under ~/.cache.
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla-cache")))
 
 
 @pytest.fixture
