@@ -34,8 +34,11 @@ def user_error_line(args, cwd, monkeypatch, script="t5lite-train"):
   """What `script ARGS` in `cwd` prints as its one line (after "t5lite: ")
   before it exits 2, found by running the command in this process: for
   bad-input checks, which need no process of their own. Fails the test if
-  the command raises no `UserError`. The persistent compilation cache stays
-  off, as everywhere in this process."""
+  the command raises no `UserError`. `--nocompilation_cache` keeps the
+  command from reconfiguring this process's cache; the setting it turns off
+  is put back, so later tests in this process still use the cache."""
+  import jax
+  cache_on = jax.config.jax_enable_compilation_cache
   monkeypatch.chdir(cwd)
   monkeypatch.setattr(sys, "path", list(sys.path))  # the command adds cwd to it
   cli.FLAGS.unparse_flags()
@@ -47,6 +50,7 @@ def user_error_line(args, cwd, monkeypatch, script="t5lite-train"):
   finally:
     cli.FLAGS.unparse_flags()
     gin.clear_config(clear_constants=True)
+    jax.config.update("jax_enable_compilation_cache", cache_on)
   return console.one_line(raised.value)
 
 
