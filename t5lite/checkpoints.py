@@ -25,7 +25,7 @@ from absl import logging
 from etils import epath
 
 from t5lite import interop, tree_paths, write_errors
-from t5lite.errors import UserError
+from t5lite.errors import UserError, refuse_url
 
 
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -720,6 +720,7 @@ def open_checkpoint(path: str, mode: str = "latest") -> OpenedCheckpoint:
   Raises:
     ValueError: `path` holds no checkpoint.
   """
+  refuse_url("The checkpoint path", path)
   foreign = interop.checkpoint_format(path)
   if foreign:
     return OpenedCheckpoint(foreign, path, path, interop.checkpoint_step(path))

@@ -27,7 +27,7 @@ from t5lite import inference, interop, state_init
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
-from t5lite.errors import UserError
+from t5lite.errors import UserError, refuse_url
 from t5lite.partitioning import Partitioner
 from t5lite.train_eval import TrainEvaluator
 
@@ -132,6 +132,7 @@ def evaluate(*, model: BaseModel, dataset_cfg: DatasetConfig, partitioner: Parti
     ValueError: no checkpoint, an unknown mode, or an invalid dataset config,
       before anything is written.
   """
+  refuse_url("EVAL_OUTPUT_DIR", output_dir)
   partitioner.validate()
   if dataset_cfg.pack:
     raise UserError("Inference evaluation decodes examples one by one; set "
@@ -297,6 +298,8 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
     raise UserError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
                     f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
                     f"{input_file!r}.")
+  refuse_url("INFER_OUTPUT_DIR", output_dir)
+  refuse_url("INPUT_FILE", input_file)
   partitioner.validate()
   partitioner.get_data_layout(batch_size)
   if input_file is not None:
@@ -361,6 +364,7 @@ def export_huggingface(*, model: BaseModel, partitioner: Partitioner,
       this checkpoint; checked before anything is written.
   """
   fields = interop.export_fields(model)  # refuses models with no counterpart first
+  refuse_url("EXPORT_DIR", output_dir)
   opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path or "", "auto")
   directory, step = opened.directory, opened.step
   source = os.path.abspath(directory)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from absl import flags, logging
 
 from t5lite import console
-from t5lite.errors import UserError
+from t5lite.errors import UserError, refuse_url
 
 
 FLAGS = flags.FLAGS
@@ -58,6 +58,8 @@ def import_gin() -> str:
   from t5lite.interop import gin_file, t5x_recipe
   if not FLAGS.source:
     raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
+  refuse_url("--source", FLAGS.source)
+  refuse_url("--output", FLAGS.output)
   source = os.path.abspath(FLAGS.source)
   if not os.path.exists(source):
     raise UserError(f"--source {FLAGS.source} does not exist.")

@@ -26,7 +26,7 @@ from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceLimits
-from t5lite.errors import UserError
+from t5lite.errors import UserError, refuse_url
 from t5lite.partitioning import Partitioner
 from t5lite.periods import Periods, compute_periods
 
@@ -124,6 +124,7 @@ def resolve_seed(random_seed: int | None) -> int:
 
 def _check_writable(model_dir: str) -> None:
   """MODEL_DIR (or the directory it will be created in) must be writable."""
+  refuse_url("MODEL_DIR", model_dir)
   path = os.path.abspath(model_dir)
   while not os.path.exists(path):
     path = os.path.dirname(path)
