@@ -136,6 +136,12 @@ def test_second_trainer_exits_2_naming_the_holder_and_writes_nothing(holder, tmp
 # the import was done (`console`).
 _CTRL_C_WHILE_TAKING = """
 import os, signal, sys
+# As a shell starts a command: Ctrl-C's default handling, nothing blocked,
+# whatever this test's process inherited from the test runner.
+print("inherited:", signal.getsignal(signal.SIGINT),
+      sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])), file=sys.stderr)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGALRM])
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from t5lite import console, run_lock
 signal.signal(signal.SIGALRM, console._interrupt_outside_imports)
 write = run_lock._write_holder
