@@ -17,18 +17,24 @@ import gin
 from t5lite import cli
 
 
-# Tests compile with XLA's default settings, the programs users get. Every
-# JAX program one `pytest` run compiles, in its processes and in the
+# Every JAX program one `pytest` run compiles, in its processes and in the
 # processes its tests start (which inherit the environment), goes through one
-# persistent compilation cache, as t5lite's console scripts use one by
-# default: a program several tests build is compiled once. The directory is
-# new for each run and removed at its end: nothing cached by an earlier run,
-# or another user, stands in for the code under test. Set before anything
-# imports JAX; the `pytest-xdist` workers inherit them from the main process.
+# persistent compilation cache, so a program several tests build is compiled
+# once. The directory is new for each run and removed at its end: nothing
+# cached by an earlier run, or another user, stands in for the code under
+# test. LLVM optimisation is off: it makes the compiled code faster, which
+# the tiny test programs do not need, and costs a third of the suite's CPU
+# time. The HLO and its partitioning are the same; results may differ in the
+# last bits, and every comparison in the suite runs both sides under these
+# flags or compares to a stated tolerance (the T5X parity worker runs at the
+# default level, `tests/test_t5x_training.py`). Set before anything imports
+# JAX; the `pytest-xdist` workers inherit them from the main process.
 if "T5LITE_TEST_XLA_CACHE_OWNER" not in os.environ:
   os.environ["T5LITE_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="t5lite-test-xla-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
+                                    "--xla_backend_optimization_level=0"])
 
 
 def pytest_unconfigure(config):

@@ -2,8 +2,8 @@
 measured, as JSON: the per-step losses and token accuracies and each
 parameter's gap to T5X's
 checkpoints. `test_t5x_training.py` starts it in a process of its own with
-XLA's default optimisation level, as `t5lite-train` compiles, whatever
-XLA_FLAGS the test run was given (another level rounds differently).
+XLA's default settings, as `t5lite-train` compiles (the test suite compiles
+with LLVM optimisation off, which rounds differently).
 
   python tests/t5x_parity_worker.py CASE WORKDIR
 """
