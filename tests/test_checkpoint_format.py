@@ -6,16 +6,17 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import REPO, TINY, run_cli
+from test_cli import REPO, TINY, run_in_process
 
 
-# End-to-end: real processes and training runs (part of `make test`).
+# End-to-end: a training run and a process of its own (part of `make test`).
 pytestmark = pytest.mark.slow
 
 
-def test_docs_snippet_reads_params_without_t5lite(tmp_path):
+def test_docs_snippet_reads_params_without_t5lite(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
-  assert run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path)).returncode == 0
+  run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"], str(tmp_path),
+                 monkeypatch)
   doc = open(os.path.join(REPO, "docs", "checkpoints.md")).read()
   snippet = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
   snippet = snippet.replace("/path/to/model_dir", str(model_dir))

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from test_cli import TINY, run_cli
+from test_cli import TINY, run_in_process
 from test_dry_run import planned_schedule, train_arguments
 
 import gin
@@ -143,19 +143,18 @@ def test_dry_run_prints_what_training_leaves(tmp_path, clean_gin):
 
 
 # ---------------------------------------------------------------------------
-# End to end through the console script (part of `make test`)
+# End to end through the console script's entry point, in-process (part of
+# `make test`)
 
 
-@pytest.mark.slow
-def test_keep_keep_every_n_dtype_and_resume(tmp_path):
+def _check_keep_keep_every_n_dtype_and_resume(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=7",
           "--gin.CHECKPOINT_PERIOD=1", "--gin.EVAL_PERIOD=7", "--gin.STATS_PERIOD=1",
           "--gin.CHECKPOINTS_TO_KEEP=2",
           "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3",
           "--gin.checkpoints.SaveCheckpointConfig.dtype='bfloat16'"]
-  out = run_cli(args, cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-3000:]
+  run_in_process(args, str(tmp_path), monkeypatch)
   # Newest two (6, 7) plus every multiple of 3, kept forever (3, 6).
   assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 6, 7]
   state = _read(model_dir / "checkpoints" / "7")
@@ -165,21 +164,23 @@ def test_keep_keep_every_n_dtype_and_resume(tmp_path):
              if np.ndim(x) > 0 and x.dtype.kind == "f"]
   assert moments and all(x.dtype == np.float32 for x in moments)  # optimizer state stays f32
   # A bfloat16 checkpoint resumes into the float32 run.
-  more = run_cli([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], cwd=str(tmp_path))
-  assert more.returncode == 0, more.stderr[-3000:]
-  assert "Restoring step 7" in more.stdout and "step 8/8" in more.stdout
+  more = run_in_process([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], str(tmp_path), monkeypatch)
+  assert "Restoring step 7" in more and "step 8/8" in more
 
 
 @pytest.mark.slow
-def test_period_last_step_extra_steps_keep_and_keep_every_n(tmp_path):
-  model_dir = tmp_path / "run"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=9",
-                 "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
-                 "--gin.CHECKPOINTS_TO_KEEP=2",
-                 "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
-                 "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
-                cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-3000:]
+def test_period_last_step_extra_steps_keep_and_keep_every_n_then_dtype_and_resume(
+    tmp_path, monkeypatch):
+  # One test for both, so that the later runs load the programs the first
+  # compiled from the test's compilation cache.
+  _check_keep_keep_every_n_dtype_and_resume(tmp_path, monkeypatch)
+  model_dir = tmp_path / "run9"
+  run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=9",
+                  "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
+                  "--gin.CHECKPOINTS_TO_KEEP=2",
+                  "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
+                  "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
+                 str(tmp_path), monkeypatch)
   # Saved: 3 (checkpoint_steps), 4 and 8 (period), 9 (the last step, off the
   # period). Kept: the newest two (8, 9) and multiples of 3 (3, 9); 4 is pruned.
   assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 8, 9]

@@ -1,6 +1,9 @@
-"""The real console script end to end, and gin flag precedence."""
+"""The console script end to end (in this process, or as a real process
+where the test is about the process), and gin flag precedence."""
 
+import contextlib
 import glob
+import io
 import os
 import queue
 import re
@@ -30,28 +33,61 @@ def run_cli(args, cwd, script="t5lite-train", timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
+_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_enable_xla_caches")
+
+
+@contextlib.contextmanager
+def _in_process(args, cwd, monkeypatch, script, cache):
+  """Parses `script ARGS` as the console script would, in `cwd`, and yields
+  the command's entry point; everything the command sets in this process
+  (flags, gin, JAX's compilation-cache settings, sys.path) is put back
+  after. With `cache`, the command uses the cache directory the test's
+  launches use ($JAX_COMPILATION_CACHE_DIR, tests/conftest.py), as a launch
+  would, and JAX lets go of it after; without, `--nocompilation_cache`."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as jax_cache
+  settings = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  monkeypatch.chdir(cwd)
+  monkeypatch.setattr(sys, "path", list(sys.path))  # the command adds cwd to it
+  cli.FLAGS.unparse_flags()
+  cli.FLAGS(cli.rewrite_gin_args([script, *([] if cache else ["--nocompilation_cache"]),
+                                  *args]))
+  gin.clear_config(clear_constants=True)
+  try:
+    yield cli.ENTRIES[script]
+  finally:
+    cli.FLAGS.unparse_flags()
+    gin.clear_config(clear_constants=True)
+    for name, value in settings.items():
+      jax.config.update(name, value)
+    jax_cache.reset_cache()  # the next use opens the directory set then
+
+
 def user_error_line(args, cwd, monkeypatch, script="t5lite-train"):
   """What `script ARGS` in `cwd` prints as its one line (after "t5lite: ")
   before it exits 2, found by running the command in this process: for
   bad-input checks, which need no process of their own. Fails the test if
-  the command raises no `UserError`. `--nocompilation_cache` keeps the
-  command from reconfiguring this process's cache; the setting it turns off
-  is put back, so later tests in this process still use the cache."""
-  import jax
-  cache_on = jax.config.jax_enable_compilation_cache
-  monkeypatch.chdir(cwd)
-  monkeypatch.setattr(sys, "path", list(sys.path))  # the command adds cwd to it
-  cli.FLAGS.unparse_flags()
-  cli.FLAGS(cli.rewrite_gin_args([script, "--nocompilation_cache", *args]))
-  gin.clear_config(clear_constants=True)
-  try:
+  the command raises no `UserError`."""
+  with _in_process(args, cwd, monkeypatch, script, cache=False) as entry:
     with pytest.raises(UserError) as raised:
-      cli.start(cli.ENTRIES[script])()
-  finally:
-    cli.FLAGS.unparse_flags()
-    gin.clear_config(clear_constants=True)
-    jax.config.update("jax_enable_compilation_cache", cache_on)
+      cli.start(entry)()
   return console.one_line(raised.value)
+
+
+def run_in_process(args, cwd, monkeypatch, script="t5lite-train"):
+  """Runs `script ARGS` in `cwd` in this process and returns what its run
+  printed to stdout: for tests that check what a run writes or computes,
+  not how its process behaves (exit status, signals, its console), which
+  `run_cli` and `Child` start a process for. It compiles, and reads and
+  writes the compilation cache, as a launch would. An error
+  propagates."""
+  out = io.StringIO()
+  with _in_process(args, cwd, monkeypatch, script, cache=True) as entry:
+    with contextlib.redirect_stdout(out):
+      cli.start(entry)()
+  return out.getvalue()
 
 
 class Child:
@@ -192,15 +228,16 @@ def test_child_drains_stderr_and_fails_instead_of_hanging(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# End to end (marked slow: real processes; part of `make test`)
+# End to end (marked slow: they train; part of `make test`). The console
+# script runs in this process (`run_in_process`) unless the test is about its
+# process: exit status, stderr, devices set before JAX starts.
 
 
 @pytest.mark.slow
-def test_train_writes_outputs_then_resumes(tmp_path):
+def test_train_writes_outputs_then_resumes(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
   # A relative MODEL_DIR, as in `make train`.
-  first = run_cli([*TINY, "--gin.MODEL_DIR='run'"], cwd=str(tmp_path))
-  assert first.returncode == 0, first.stderr[-4000:]
+  first = run_in_process([*TINY, "--gin.MODEL_DIR='run'"], str(tmp_path), monkeypatch)
   # Outputs a user opens.
   config = (model_dir / "config.gin").read_text()
   assert "train_lib.train" in config and "TRAIN_STEPS = 4" in config
@@ -210,32 +247,31 @@ def test_train_writes_outputs_then_resumes(tmp_path):
   losses = scalars(str(model_dir / "train"), "loss")
   assert sorted(losses) == [2, 4] and all(v > 0 for v in losses.values())
   # A CPU has no datasheet peak: model FLOP/s, no MFU.
-  assert "FLOP/s" in first.stdout and "MFU" not in first.stdout
+  assert "FLOP/s" in first and "MFU" not in first
   eval_dirs = glob.glob(str(model_dir / "training_eval" / "*"))
   assert eval_dirs and scalars(eval_dirs[0], "loss")
-  assert "step 4/4" in first.stdout
+  assert "step 4/4" in first
 
   # Same command with more steps resumes from step 4 instead of starting over.
   # A peak bound by the user adds MFU to the progress line and the summaries.
-  second = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
-                    "--gin.train_lib.train.peak_flops_per_device=1e6"], cwd=str(tmp_path))
-  assert second.returncode == 0, second.stderr[-4000:]
-  assert "Restoring step 4" in second.stdout
-  assert re.search(r"step 6/6 .*FLOP/s  MFU [\d.]+%", second.stdout), second.stdout
+  second = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
+                           "--gin.train_lib.train.peak_flops_per_device=1e6"], str(tmp_path),
+                          monkeypatch)
+  assert "Restoring step 4" in second
+  assert re.search(r"step 6/6 .*FLOP/s  MFU [\d.]+%", second), second
   mfu, flops = (scalars(str(model_dir / "train"), tag)[6]
                 for tag in ("timing/mfu", "timing/model_flops_per_second"))
   assert mfu == pytest.approx(flops / 1e6, rel=1e-5)
-  assert "step 6/6" in second.stdout and "step 2/" not in second.stdout
+  assert "step 6/6" in second and "step 2/" not in second
   assert "6" in os.listdir(model_dir / "checkpoints")
 
   # relative_steps trains N more from the restored step; equal total trains nothing.
-  third = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
-                  cwd=str(tmp_path))
-  assert third.returncode == 0 and "nothing to train" in third.stdout
-  fourth = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
-                    "--gin.train_lib.train.relative_steps=2"], cwd=str(tmp_path))
-  assert fourth.returncode == 0, fourth.stderr[-4000:]
-  assert "step 8/8" in fourth.stdout
+  third = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                         str(tmp_path), monkeypatch)
+  assert "nothing to train" in third
+  fourth = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                           "--gin.train_lib.train.relative_steps=2"], str(tmp_path), monkeypatch)
+  assert "step 8/8" in fourth
   # CHECKPOINTS_TO_KEEP = 3 (pretrain_dense.gin): step 2 was pruned from disk.
   assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["4", "6", "8"]
 
@@ -299,13 +335,12 @@ def test_a_bug_hours_into_training_shows_its_traceback_and_exits_1(tmp_path):
 
 
 @pytest.mark.slow
-def test_decoder_only_lm_trains(tmp_path):
+def test_decoder_only_lm_trains(tmp_path, monkeypatch):
   model_dir = tmp_path / "lm"
-  out = run_cli(["--gin_file=gin/models/decoder_only_tiny.gin", "--gin_file=gin/runs/pretrain.gin",
-                 "--gin_file=gin/testing/local_tiny.gin", f"--gin.MODEL_DIR='{model_dir}'",
-                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_lm'",
-                 "--gin.TASK_FEATURE_LENGTHS={'targets': 32}"], cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-4000:]
+  run_in_process(["--gin_file=gin/models/decoder_only_tiny.gin",
+                  "--gin_file=gin/runs/pretrain.gin", "--gin_file=gin/testing/local_tiny.gin",
+                  f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='t5lite_lm'",
+                  "--gin.TASK_FEATURE_LENGTHS={'targets': 32}"], str(tmp_path), monkeypatch)
   assert "DecoderOnlyModel" in (model_dir / "config.gin").read_text()
   assert sorted(scalars(str(model_dir / "train"), "loss")) == [2, 4]
 
@@ -321,14 +356,20 @@ testing.register_in_memory_task(
 
 
 @pytest.mark.slow
-def test_user_task_from_user_module(tmp_path):
+def test_user_task_from_user_module(tmp_path, monkeypatch):
+  import seqio
   (tmp_path / "my_tasks.py").write_text(USER_TASKS)
   model_dir = tmp_path / "user"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
-                 "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'",
-                 "--gin.MIXTURE_OR_TASK_NAME='my_copy_task'",
-                 "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-4000:]
+  # The command imports the module into this process: taken out again after,
+  # with the task it registers.
+  try:
+    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+                    "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'",
+                    "--gin.MIXTURE_OR_TASK_NAME='my_copy_task'",
+                    "--gin.TRAIN_STEPS=2"], str(tmp_path), monkeypatch)
+  finally:
+    sys.modules.pop("my_tasks", None)
+    seqio.TaskRegistry.remove("my_copy_task")
   assert "my_copy_task" in os.listdir(model_dir / "training_eval")
 
 
@@ -350,21 +391,10 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_headline_logs_expert_metrics(tmp_path):
-  model_dir = tmp_path / "moe"
-  out = run_cli(["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
-                 f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-4000:]
-  for tag in ("experts/auxiliary_loss", "experts/router_z_loss",
-              "experts/fraction_tokens_left_behind", "experts/expert_usage",
-              "experts/router_confidence"):
-    assert sorted(scalars(str(model_dir / "train"), tag)) == [2, 4], tag
-  info = (model_dir / "model-info.txt").read_text()
-  assert "encoder/layers_1/moe/wi_0 " in info and "'expert', 'embed', 'expert_mlp'" in info
-
-
-@pytest.mark.slow
-def test_expert_parallel_preset_on_eight_devices(tmp_path):
+def test_moe_headline_logs_expert_metrics_and_splits_experts_on_eight_devices(tmp_path):
+  # The headline MoE config under the expert-parallel preset: one launch
+  # (8 fake devices must be set before JAX starts) for what a MoE run logs
+  # and for how the preset splits its experts.
   model_dir = tmp_path / "ep"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=testing.fake_device_flags(8))
@@ -374,8 +404,13 @@ def test_expert_parallel_preset_on_eight_devices(tmp_path):
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
+  for tag in ("experts/auxiliary_loss", "experts/router_z_loss",
+              "experts/fraction_tokens_left_behind", "experts/expert_usage",
+              "experts/router_confidence"):
+    assert sorted(scalars(str(model_dir / "train"), tag)) == [2, 4], tag
   wi = next(line for line in (model_dir / "model-info.txt").read_text().splitlines()
             if "encoder/layers_1/moe/wi_0 " in line)
+  assert "'expert', 'embed', 'expert_mlp'" in wi
   assert "partition ('expert', None, 'model')" in wi
   # 6 experts cannot split over 4 devices: one line, exit 2, nothing written.
   bad = subprocess.run([os.path.join(BIN, "t5lite-train"), *args[:-3],

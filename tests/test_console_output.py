@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -73,6 +74,7 @@ def _user_env(cache):
 
 
 def _train(tmp_path, *extra):
+  """Trains RUN in a real process in `tmp_path`: (the finished process, MODEL_DIR)."""
   (tmp_path / "console_tasks.py").write_text(TASK_MODULE)
   model_dir = tmp_path / "run"
   done = subprocess.run([os.path.join(BIN, "t5lite-train"), *RUN, f"--gin.MODEL_DIR='{model_dir}'",
@@ -80,6 +82,13 @@ def _train(tmp_path, *extra):
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done, model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """One real run at the default verbosity (train-eval and inference eval),
+  most of a minute; the tests only read it."""
+  return _train(tmp_path_factory.mktemp("console"))
 
 
 def _tags(logdir):
@@ -99,10 +108,9 @@ def _table(stdout, title):
 
 
 @pytest.mark.slow
-def test_a_tiny_run_names_each_accuracy_on_one_scale_and_shows_only_its_own_lines(tmp_path):
-  # One run (train-eval and inference eval at the default verbosity) for
-  # the three checks: each is a few seconds, the run most of a minute.
-  done, model_dir = _train(tmp_path)
+def test_a_tiny_run_names_each_accuracy_on_one_scale_and_shows_only_its_own_lines(tiny_run):
+  # One run for the three checks: each is a few seconds, the run most of a minute.
+  done, model_dir = tiny_run
   _check_token_accuracy(done, model_dir)
   _check_exact_match(done, model_dir)
   _check_first_screen(done)
@@ -151,9 +159,15 @@ def _check_first_screen(done):
 
 
 @pytest.mark.slow
-def test_an_explicit_verbosity_brings_the_library_lines_back(tmp_path):
-  # --v=0 is absl's short spelling of --verbosity=0 (INFO and up).
+def test_an_explicit_verbosity_brings_the_library_lines_back(tiny_run, tmp_path):
+  # The same command again on a copy of the finished run, with --v=0
+  # (absl's short spelling of --verbosity=0: INFO and up). It finds step 4
+  # there, so it restores the checkpoint and trains nothing: the library
+  # lines of that restore are what must show.
+  _, model_dir = tiny_run
+  shutil.copytree(model_dir, tmp_path / "run")
   done, _ = _train(tmp_path, "--v=0")
+  assert "nothing to train" in done.stdout, done.stdout
   library = [line for line in done.stderr.splitlines() if not own_line(line)]
   assert any("checkpoint_manager.py" in line for line in library), done.stderr[-3000:]
 

@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from test_cli import TINY, run_cli, scalars, user_error_line
+from test_cli import TINY, run_in_process, scalars, user_error_line
 
 
 MIX_MODULE = """
@@ -17,14 +17,13 @@ if "tiny_eval_mix" not in seqio.MixtureRegistry.names():
 
 
 @pytest.mark.slow
-def test_train_eval_writes_the_mixture_and_each_task(tmp_path):
+def test_train_eval_writes_the_mixture_and_each_task(tmp_path, monkeypatch):
   (tmp_path / "mix_tasks.py").write_text(MIX_MODULE)
   model_dir = str(tmp_path / "run")
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='tiny_eval_mix'",
           "--gin.MIXTURE_OR_TASK_MODULE='mix_tasks'",
           "--gin.train_lib.train.run_eval_before_training=True", "--gin.TRAIN_STEPS=5"]
-  result = run_cli(args, cwd=str(tmp_path))
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process(args, str(tmp_path), monkeypatch)
   eval_dir = os.path.join(model_dir, "training_eval")
   assert sorted(os.listdir(eval_dir)) == ["t5lite_arithmetic", "t5lite_span_corruption",
                                           "tiny_eval_mix"]
@@ -187,17 +186,31 @@ def _read(path):
     return f.read()
 
 
+# Trained with a learner whose schedule ends at TRAIN_STEPS, which infer.gin,
+# given after the training files as the docs do, leaves unset.
+LEARNER = "--gin_file=gin/learners/adamw_cosine.gin"
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+  """The model_dir of a tiny fine-tuning run that saved and decoded the
+  validation split at steps 2 and 4; the eval and infer tests only read it."""
+  root = tmp_path_factory.mktemp("finetuned")
+  model_dir = str(root / "run")
+  with pytest.MonkeyPatch.context() as patch:
+    run_in_process([*FINETUNE_TINY, LEARNER, f"--gin.MODEL_DIR='{model_dir}'"], str(root), patch)
+  return model_dir
+
+
 @pytest.mark.slow
-def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path):
-  model_dir, eval_dir = str(tmp_path / "run"), str(tmp_path / "eval")
-  result = run_cli([*FINETUNE_TINY, f"--gin.MODEL_DIR='{model_dir}'"], cwd=str(tmp_path))
-  assert result.returncode == 0, result.stderr[-3000:]
+def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path, monkeypatch, finetuned):
+  model_dir, eval_dir = finetuned, str(tmp_path / "eval")
   trained = os.path.join(model_dir, "inference_eval")
   assert scalars(os.path.join(trained, "t5lite_arithmetic"), "exact_match").keys() == {2, 4}
 
+  # No learner: evaluation reads the parameters of a checkpoint trained with any.
   args = [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}'", f"--gin.EVAL_OUTPUT_DIR='{eval_dir}'"]
-  result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process(args, str(tmp_path), monkeypatch, script="t5lite-eval")
   evaluated = os.path.join(eval_dir, "inference_eval")
   # Same checkpoints, same decodes, same metrics as training logged.
   for name in ("t5lite_arithmetic-000002.jsonl", "t5lite_arithmetic-000004.jsonl",
@@ -209,42 +222,33 @@ def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path):
       scalars(os.path.join(trained, "t5lite_arithmetic"), "exact_match")
 
   # A second pass over the directory skips both steps.
-  result = run_cli(args, cwd=str(tmp_path), script="t5lite-eval")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "Skipping steps already evaluated: [2, 4]" in result.stdout
+  out = run_in_process(args, str(tmp_path), monkeypatch, script="t5lite-eval")
+  assert "Skipping steps already evaluated: [2, 4]" in out
 
   # One step directory evaluates that checkpoint only, even if done before.
   one = [*EVAL_TINY, f"--gin.CHECKPOINT_PATH='{model_dir}/checkpoints/2'",
          f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'one'}'"]
-  result = run_cli(one, cwd=str(tmp_path), script="t5lite-eval")
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process(one, str(tmp_path), monkeypatch, script="t5lite-eval")
   assert sorted(os.listdir(tmp_path / "one" / "inference_eval")) == [
       "evaluated_steps.json", "t5lite_arithmetic", "t5lite_arithmetic-000002.jsonl",
       "t5lite_arithmetic-metrics.jsonl"]
 
 
 @pytest.mark.slow
-def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path, monkeypatch):
+def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path, monkeypatch, finetuned):
   import json
 
-  # Trained with a learner whose schedule ends at TRAIN_STEPS, which
-  # infer.gin, given after the training files as the docs do, leaves unset:
-  # inference reads the parameters only and builds no optimizer.
-  model_dir = str(tmp_path / "run")
-  learner = "--gin_file=gin/learners/adamw_cosine.gin"
-  result = run_cli([*FINETUNE_TINY, learner, f"--gin.MODEL_DIR='{model_dir}'",
-                    "--gin.INFER_EVAL_DATASET_CFG=None"], cwd=str(tmp_path))
-  assert result.returncode == 0, result.stderr[-3000:]
-  # An empty line and one longer than the inputs length (32 tokens) are kept.
+  # The training files' learner, without TRAIN_STEPS: inference reads the
+  # parameters only and builds no optimizer. An empty line and one longer
+  # than the inputs length (32 tokens) are kept.
   long = "add: " + "1 + " * 20 + "1"
   (tmp_path / "questions.txt").write_text(f"add: 1 + 2\n\nsub: 10 - 3\n{long}\nadd: 7 + 7\n")
-  common = ["--gin_file=gin/models/t5_tiny.gin", learner, "--gin_file=gin/testing/local_tiny.gin",
-            "--gin_file=gin/runs/infer.gin", INFER_BATCH, f"--gin.CHECKPOINT_PATH='{model_dir}'",
+  common = ["--gin_file=gin/models/t5_tiny.gin", LEARNER, "--gin_file=gin/testing/local_tiny.gin",
+            "--gin_file=gin/runs/infer.gin", INFER_BATCH, f"--gin.CHECKPOINT_PATH='{finetuned}'",
             f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'"]
-  result = run_cli([*common, f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
-                   cwd=str(tmp_path), script="t5lite-infer")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.count("Truncated 1 of 5 inputs to the inputs length of 32 tokens") == 1
+  out = run_in_process([*common, f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
+                       str(tmp_path), monkeypatch, script="t5lite-infer")
+  assert out.count("Truncated 1 of 5 inputs to the inputs length of 32 tokens") == 1
   rows = [json.loads(line) for line in (tmp_path / "out" / "questions-4.jsonl").open()]
   assert [r["inputs"] for r in rows] == ["add: 1 + 2", "", "sub: 10 - 3", long[:31], "add: 7 + 7"]
   assert all(isinstance(r["prediction"], str) and r["score"] <= 0 for r in rows)
@@ -256,9 +260,8 @@ def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path, monkeypatc
   assert f"{tmp_path / 'latin1.txt'}:2 is not valid UTF-8" in line
   assert os.listdir(tmp_path / "out") == ["questions-4.jsonl"]
 
-  result = run_cli([*common, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
-                    "--gin.NUM_EXAMPLES=5"], cwd=str(tmp_path), script="t5lite-infer")
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process([*common, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+                  "--gin.NUM_EXAMPLES=5"], str(tmp_path), monkeypatch, script="t5lite-infer")
   rows = [json.loads(line) for line in (tmp_path / "out" / "t5lite_arithmetic-4.jsonl").open()]
   assert len(rows) == 5 and all(set(r) == {"inputs", "targets", "prediction", "score"}
                                 for r in rows)

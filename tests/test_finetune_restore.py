@@ -2,8 +2,8 @@
 and optimizer state, assignment maps, shape mismatches, and a restarted
 fine-tune resuming its own checkpoints.
 
-Runs train the tiny encoder-decoder in-process: A pretrains 2 steps and B
-fine-tunes 2 steps from A's step 2 (both shared by the module); checks of the
+Runs train the tiny encoder-decoder in-process: A pretrains 4 steps and B
+fine-tunes 2 steps from A's step 4 (both shared by the module); checks of the
 restored parameters alone use total_steps=0, which restores without compiling
 a train step.
 """
@@ -70,14 +70,36 @@ def _steps(model_dir):
   return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
+def _record_prepares_and_batches(monkeypatch):
+  """Records, in order, each program the loop prepares (with the names of
+  its batch's features) and each batch it takes."""
+  from t5lite import partitioning
+  events = []
+  prepare, take = partitioning.Partitioned.prepare, feeder.TrainData.__next__
+
+  def recording_prepare(self, *args):
+    events.append(("prepare", sorted(args[1])))
+    return prepare(self, *args)
+
+  def recording_next(self):
+    events.append("batch")
+    return take(self)
+
+  monkeypatch.setattr(partitioning.Partitioned, "prepare", recording_prepare)
+  monkeypatch.setattr(feeder.TrainData, "__next__", recording_next)
+  return events
+
+
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-  """Run A: 2 steps from scratch, checkpointed at step 2."""
+  """Run A: 4 steps from scratch, checkpointed at steps 2 and 4, with the
+  programs its loop prepared and the batches it took (`events`)."""
   with pytest.MonkeyPatch.context() as monkeypatch:
     model_dir = tmp_path_factory.mktemp("pretrain")
-    run = _train(monkeypatch, model_dir)
-  assert run["step"] == 2 and _steps(model_dir) == [2]
-  return dict(run, path=str(model_dir / "checkpoints" / "2"))
+    events = _record_prepares_and_batches(monkeypatch)
+    run = _train(monkeypatch, model_dir, total_steps=4)
+  assert run["step"] == 4 and _steps(model_dir) == [2, 4]
+  return dict(run, path=str(model_dir / "checkpoints" / "4"), events=events)
 
 
 def _finetune_cfg(pretrained, **fields):
@@ -87,7 +109,7 @@ def _finetune_cfg(pretrained, **fields):
 
 @pytest.fixture(scope="module")
 def finetuned(pretrained, tmp_path_factory):
-  """Run B: 2 steps fine-tuned from A's step 2, params only."""
+  """Run B: 2 steps fine-tuned from A's step 4, params only."""
   with pytest.MonkeyPatch.context() as monkeypatch:
     model_dir = tmp_path_factory.mktemp("finetune")
     return dict(_train(monkeypatch, model_dir, _finetune_cfg(pretrained)), model_dir=model_dir)
@@ -98,7 +120,7 @@ def test_params_only_takes_params_and_starts_fresh(pretrained, finetuned):
   assert run["start"] == 0 and run["init_step"] == 0 and run["step"] == 2
   _assert_equal(run["init_params"], pretrained["params"], list(pretrained["params"]))
   # Fresh optimizer state: what A started from (adafactor count 0, zero statistics),
-  # not A's state after 2 steps.
+  # not A's state after 4 steps.
   _assert_equal(run["opt_state"], pretrained["opt_state"], list(pretrained["opt_state"]))
   counts = [v for k, v in run["opt_state"].items() if k.endswith("count")]
   assert counts and all(int(c) == 0 for c in counts)
@@ -210,38 +232,19 @@ def test_finetune_gin_binds_a_params_only_restore(path):
   assert cfg.restore == RestoreCheckpointConfig(path=path, mode="specific", params_only=True)
 
 
-def test_a_restart_builds_its_training_pipeline_once(pretrained, tmp_path, monkeypatch):
+def test_a_restart_builds_its_training_pipeline_once_while_the_state_restores(
+    pretrained, tmp_path, monkeypatch):
   # A's checkpoint holds no data iterator, so the resumed run fast-forwards the
-  # pipeline to step 2; it must not also build one at step 0 first.
+  # pipeline to step 4; it must not also build one at step 0 first. It is
+  # built on its own thread, at the batch the restored step continues from.
   from t5lite.data import datasets
   model_dir = tmp_path / "resumed"
   shutil.copytree(os.path.dirname(os.path.dirname(pretrained["path"])), model_dir)
   built = []
   original = datasets.get_dataset
 
-  def counting(cfg, *args, **kwargs):
-    built.append(cfg.mixture_or_task_name)
-    return original(cfg, *args, **kwargs)
-
-  monkeypatch.setattr(datasets, "get_dataset", counting)
-  run = _train(monkeypatch, model_dir, total_steps=3)
-  assert run["start"] == 2 and run["step"] == 3
-  assert built == [CFG.mixture_or_task_name]
-
-
-def test_the_training_pipeline_is_built_while_the_state_restores(pretrained, tmp_path,
-                                                                  monkeypatch):
-  # Built on its own thread, at the batch the restored step continues from.
-  import threading
-
-  from t5lite.data import datasets
-  model_dir = tmp_path / "resumed"
-  shutil.copytree(os.path.dirname(os.path.dirname(pretrained["path"])), model_dir)
-  built_on = []
-  original = datasets.get_dataset
-
   def recording(cfg, *args, **kwargs):
-    built_on.append(threading.current_thread().name)
+    built.append((cfg.mixture_or_task_name, threading.current_thread().name))
     return original(cfg, *args, **kwargs)
 
   skipped = []
@@ -253,9 +256,9 @@ def test_the_training_pipeline_is_built_while_the_state_restores(pretrained, tmp
 
   monkeypatch.setattr(datasets, "get_dataset", recording)
   monkeypatch.setattr(feeder.TrainData, "_build_at", recording_build_at)
-  run = _train(monkeypatch, model_dir, total_steps=3)
-  assert run["start"] == 2 and run["step"] == 3
-  assert built_on == ["t5lite-data-build"] and skipped == [2]
+  run = _train(monkeypatch, model_dir, total_steps=5)
+  assert run["start"] == 4 and run["step"] == 5
+  assert built == [(CFG.mixture_or_task_name, "t5lite-data-build")] and skipped == [4]
 
 
 def test_a_failed_background_build_is_raised_where_the_data_is_needed(monkeypatch):
@@ -317,24 +320,11 @@ def test_close_waits_for_a_background_build_still_running(monkeypatch):
   assert built == [2]
 
 
-def test_the_loop_prepares_its_step_once_before_it_takes_the_first_batch(monkeypatch, tmp_path):
+def test_the_loop_prepares_its_step_once_before_it_takes_the_first_batch(pretrained):
   """The train step's program is compiled (on a warm launch, read from
   JAX's cache) while the prefetch thread builds the first batches, not
-  after the first one arrives; nothing else prepares a program."""
-  from t5lite import partitioning
-  events = []
-  prepare, take = partitioning.Partitioned.prepare, feeder.TrainData.__next__
-
-  def recording_prepare(self, *args):
-    events.append(("prepare", sorted(args[1])))
-    return prepare(self, *args)
-
-  def recording_next(self):
-    events.append("batch")
-    return take(self)
-
-  monkeypatch.setattr(partitioning.Partitioned, "prepare", recording_prepare)
-  monkeypatch.setattr(feeder.TrainData, "__next__", recording_next)
-  assert _train(monkeypatch, tmp_path / "run", total_steps=4)["step"] == 4
+  after the first one arrives; nothing else prepares a program (run A, from
+  scratch, past a checkpoint at step 2)."""
+  events = pretrained["events"]
   assert events[0][0] == "prepare" and "encoder_input_tokens" in events[0][1]
   assert events[1:] == ["batch"] * 4

@@ -9,14 +9,28 @@ import sys
 import time
 
 import pytest
-from test_cli import TINY, Child, run_cli, scalars
+from test_cli import TINY, Child, run_cli, run_in_process, scalars
 
 
-# End-to-end: real processes and training runs (part of `make test`).
+# End-to-end: real processes and training runs (part of `make test`). What a
+# test needs before or after the process it interrupts (a run to restart, a
+# restart's stdout) is trained in this process (`run_in_process`).
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def trained_to_step_4(tmp_path_factory):
+  """A tiny run trained to step 4, checkpointed at steps 2 and 4; read-only
+  (tests copy it)."""
+  model_dir = tmp_path_factory.mktemp("trained") / "run"
+  with pytest.MonkeyPatch.context() as patch:
+    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4"],
+                   str(model_dir.parent), patch)
+  assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["2", "4"]
+  return model_dir
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
           "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
@@ -30,11 +44,11 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path)
   assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
   # The same command continues from exactly that step.
   target = saved[0] + 2
-  again = run_cli([*args[:-4], f"--gin.TRAIN_STEPS={target}", "--gin.CHECKPOINT_PERIOD=50000",
-                   "--gin.EVAL_PERIOD=50000"], cwd=str(tmp_path))
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"Restoring step {saved[0]}" in again.stdout
-  assert f"steps {saved[0]} -> {target};" in again.stdout
+  again = run_in_process([*args[:-4], f"--gin.TRAIN_STEPS={target}",
+                          "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000"],
+                         str(tmp_path), monkeypatch)
+  assert f"Restoring step {saved[0]}" in again
+  assert f"steps {saved[0]} -> {target};" in again
 
 
 def test_ctrl_c_checkpoints_the_current_step_and_exits_130(tmp_path):
@@ -74,11 +88,11 @@ def test_second_ctrl_c_exits_at_once(tmp_path):
   assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]  # the shell reports 130
 
 
-def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(tmp_path):
+def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(
+    tmp_path, trained_to_step_4, monkeypatch):
   model_dir = tmp_path / "run"
   base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]  # checkpoints and stats every 2 steps
-  good = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
-  assert good.returncode == 0, good.stderr[-3000:]
+  shutil.copytree(trained_to_step_4, model_dir)  # a good run to step 4
   # The update of step 5 blows the weights up (|params| ~1e9) with a finite
   # loss; the loss is NaN only at step 8, after step 6 would have been saved.
   bad = run_cli([*base, "--gin.TRAIN_STEPS=8",
@@ -90,9 +104,8 @@ def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(tmp_
   assert "the newest checkpoint is step 4" in last and "resume_step=N" in last, last
   assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["2", "4"]
   # What is on disk is sound: the normal rate trains on from it.
-  again = run_cli([*base, "--gin.TRAIN_STEPS=8"], cwd=str(tmp_path))
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert "Restoring step 4" in again.stdout
+  again = run_in_process([*base, "--gin.TRAIN_STEPS=8"], str(tmp_path), monkeypatch)
+  assert "Restoring step 4" in again
   losses = scalars(str(model_dir / "train"), "loss")
   assert sorted(losses) == [2, 4, 6, 8] and all(0 < v < 7 for v in losses.values()), losses
 
@@ -124,18 +137,18 @@ def assert_bitwise_equal(a, b):
 # two_processes.
 
 
-def test_half_written_checkpoint_is_never_restored(tmp_path):
+def test_half_written_checkpoint_is_never_restored(tmp_path, trained_to_step_4):
   model_dir = tmp_path / "run"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]
-  assert run_cli([*base, "--gin.TRAIN_STEPS=2"], cwd=str(tmp_path)).returncode == 0
-  # What a crash in the middle of writing step 6 leaves behind.
-  partial = model_dir / "checkpoints" / "6.orbax-checkpoint-tmp" / "state"
+  shutil.copytree(trained_to_step_4, model_dir)
+  # What a crash in the middle of writing step 8 leaves behind.
+  partial = model_dir / "checkpoints" / "8.orbax-checkpoint-tmp" / "state"
   partial.mkdir(parents=True)
   (partial / "garbage").write_bytes(b"\x00" * 100)
-  out = run_cli([*base, "--gin.TRAIN_STEPS=4"], cwd=str(tmp_path))
+  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "Ignoring unfinished checkpoint(s) at step(s) [6]" in out.stderr
-  assert "Restoring step 2" in out.stdout and "steps 2 -> 4;" in out.stdout
+  assert "Ignoring unfinished checkpoint(s) at step(s) [8]" in out.stderr
+  assert "Restoring step 4" in out.stdout and "steps 4 -> 6;" in out.stdout
 
 
 # ---------------------------------------------------------------------------
@@ -180,15 +193,6 @@ def _wait_until(child, condition, what, timeout=300):
     time.sleep(0.005)
 
 
-@pytest.fixture(scope="module")
-def trained_to_step_1(tmp_path_factory):
-  model_dir = tmp_path_factory.mktemp("trained") / "run"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=1"],
-                cwd=str(model_dir.parent))
-  assert out.returncode == 0, out.stderr[-3000:]
-  return model_dir
-
-
 # Each moment is recognised by a sign the process gives, not by a delay: a
 # library mapped into it, the run lock, a line it prints.
 _MOMENTS = {
@@ -196,18 +200,18 @@ _MOMENTS = {
     "importing TensorFlow, then parsing gin": lambda child, model_dir: _loaded(
         child.proc.pid, "tensorflow"),
     "tracing and compiling": lambda child, model_dir: (model_dir / "train.lock").exists(),
-    "restoring": lambda child, model_dir: child.wait_for_line("Restoring step 1", timeout=300),
+    "restoring": lambda child, model_dir: child.wait_for_line("Restoring step 4", timeout=300),
 }
 
 
 @pytest.mark.parametrize("moment", list(_MOMENTS))
-def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_step_1, moment):
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_step_4, moment):
   model_dir = tmp_path / "run"
-  shutil.copytree(trained_to_step_1, model_dir)
+  shutil.copytree(trained_to_step_4, model_dir)
   before = _files(model_dir)
   # Without the compilation cache the train step really compiles (seconds).
   compile_for_real = ["--nocompilation_cache"] if moment == "tracing and compiling" else []
-  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=3",
+  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
                  *compile_for_real], cwd=str(tmp_path))
   _wait_until(child, lambda: _MOMENTS[moment](child, model_dir), moment)
   child.proc.send_signal(signal.SIGINT)

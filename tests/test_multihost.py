@@ -222,103 +222,84 @@ def _kill_once_saved(job, step_dir, timeout=600):
   assert all(p.returncode == -signal.SIGKILL for p in job.procs.values()), job.describe()
 
 
-def _kill_all_once_saved(jobs, timeout=600):
-  """SIGKILLs each (job, step_dir) pair's processes as soon as its checkpoint
-  is complete, watching all of them at once; yields each job once killed."""
-  pending = list(jobs)
-  deadline = time.monotonic() + timeout
-  while pending and time.monotonic() < deadline:
-    for job, step_dir in list(pending):
-      if os.path.isdir(step_dir):
-        _kill_once_saved(job, step_dir)
-        pending.remove((job, step_dir))
-        yield job
-    if any(p.poll() is not None for job, _ in pending for p in job.procs.values()):
-      break  # a run ended before its checkpoint: the message shows why
-    time.sleep(0.05)
-  for job, _ in pending:
-    job.kill_all()
-  assert not pending, "\n".join(job.describe() for job, _ in pending)
+def _latest_step(model_dir):
+  return max(int(s) for s in os.listdir(model_dir / "checkpoints") if s.isdigit())
 
 
 # The shipped headline configs as they are (their data pipelines, seeds and
 # checkpoint settings, no save_dataset), shrunk by the tiny overlay; evaluation
-# is off because it never touches the training data or state. A killed run
-# restarts on the process count it ran on, or, for pretrain_dense, on the
-# other one: a 2-process checkpoint continues in 1 process and a 1-process
-# checkpoint in 2, where the uninterrupted run went.
+# is off because it never touches the training data or state. Each config is
+# killed in 1 process and in 2, and restarted on the other count each time: a
+# 1-process checkpoint continues in 2 processes and a 2-process checkpoint in
+# 1, where the uninterrupted run went. Restarts on the count a run was killed
+# on follow the same restore path with a layout that matches; they are run in 1
+# process by test_interruptions.py, test_sigterm_checkpoints_the_current_step_
+# and_resume_loses_nothing (the losses of an uninterrupted run), and in 2 by
+# test_sigterm_to_one_process_checkpoints_the_
+# same_step_everywhere_then_a_killed_peer_stops_the_survivor (not bitwise).
 @pytest.mark.slow
-@pytest.mark.parametrize("headline, other_count", [
-    ("pretrain_dense", True), ("pretrain_moe", False), ("finetune_dense", False)])
+@pytest.mark.parametrize("headline", ["pretrain_dense", "pretrain_moe", "finetune_dense"])
 def test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_processes(
-    tmp_path, headline, other_count):
+    tmp_path, headline):
   common = [f"--gin_file=gin/{headline}.gin", "--gin_file=gin/testing/local_tiny.gin",
-            "--gin.TRAIN_STEPS=6", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
+            "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
             "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1"]
 
   def args(name):
     return [*common, f"--gin.MODEL_DIR='{tmp_path / name}'"]
 
-  # One uninterrupted reference serves both: on 2 devices every cross-device
-  # sum adds two numbers, whose order does not matter, so 1 process with 2
-  # devices and 2 processes with 1 each compute bitwise the same state. The
-  # 1-process killed run starts once the reference has compiled its step
-  # (the same program, then read from the compilation cache); each killed run
-  # restarts, with the same command, as soon as it is killed.
+  # One uninterrupted reference serves both counts: on 2 devices every
+  # cross-device sum adds two numbers, whose order does not matter, so 1
+  # process with 2 devices and 2 processes with 1 each compute bitwise the
+  # same state. The 1-process runs start once the reference has compiled its
+  # step (the same program, then read from the compilation cache). Each
+  # restart, with the same command, is killed once it saved a step of its own.
+  killed = tmp_path / "killed"
   straight = _start(args("straight"), tmp_path, "straight", 1)
-  killed = {2: _start(args("killed2"), tmp_path, "killed2", 2)}
-  resumed = {}  # by the process count the killed run ran on
+  jobs, saved = [straight], [0]  # the newest step on disk after each launch
   try:
-    straight.wait_for_output(0, "step 1/6", timeout=600)
-    killed[1] = _start(args("killed1"), tmp_path, "killed1", 1)
-    for job in _kill_all_once_saved(
-        [(killed[n], tmp_path / f"killed{n}" / "checkpoints" / "2") for n in (1, 2)]):
-      n = len(job.procs)
-      resumed[n] = _start(args(f"killed{n}"), tmp_path, f"resumed{n}", 3 - n if other_count else n)
-    _finished(straight)
-    want = checkpoint_state(tmp_path / "straight" / "checkpoints" / "6")
+    straight.wait_for_output(0, "step 1/8", timeout=600)
     for n in (1, 2):
-      results = _finished(resumed[n])
-      out = results[0].stdout
-      # It really restored a step before the end and replayed the data after it.
-      assert re.search(r"Restoring step [24]\b", out), out
-      assert re.search(r"Continuing the training data at batch [24]\b", out), out
-      assert_bitwise_equal(want, checkpoint_state(tmp_path / f"killed{n}" / "checkpoints" / "6"))
-      # Process 0 alone reports progress and writes the run's files: one
-      # events file per launch, whatever its process count.
-      assert "step 6/6" in out and all("step 6/6" not in r.stdout for r in results[1:])
-      assert len(os.listdir(tmp_path / f"killed{n}" / "train")) == 2
+      jobs.append(_start(args("killed"), tmp_path, f"killed{n}", n))
+      _kill_once_saved(jobs[-1], killed / "checkpoints" / str(saved[-1] + 2))
+      saved.append(_latest_step(killed))
+    jobs.append(_start(args("killed"), tmp_path, "finished", 1))
+    finished = _finished(jobs[-1])
+    _finished(straight)
+    assert_bitwise_equal(checkpoint_state(tmp_path / "straight" / "checkpoints" / "8"),
+                         checkpoint_state(killed / "checkpoints" / "8"))
+    # Each restart really restored the step before it and replayed the data
+    # after it: the 2-process run a 1-process checkpoint, the last a 2-process
+    # one.
+    two_processes = [jobs[2].output(i)[0] for i in (0, 1)]
+    for out, step in zip([two_processes[0], finished[0].stdout], saved[1:]):
+      assert step < 8 and re.search(rf"Restoring step {step}\b", out), out
+      assert re.search(rf"Continuing the training data at batch {step}\b", out), out
+    # Process 0 alone reports progress and writes the run's files: one events
+    # file per launch, whatever its process count.
+    assert re.search(r"step \d/8", two_processes[0])
+    assert not re.search(r"step \d/8", two_processes[1]), two_processes[1]
+    assert "step 8/8" in finished[0].stdout
+    assert len(os.listdir(killed / "train")) == 3
   finally:  # nothing outlives a failure
-    for job in [straight, *killed.values(), *resumed.values()]:
+    for job in jobs:
       job.kill_all()
 
 
+# Two jobs in one test, so that the second (the same programs) reads what the
+# first compiled from the compilation cache.
 @pytest.mark.slow
-def test_killed_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
-  heartbeat = 5
-  job = start_job(lambda i: [*TRAIN, f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
-                             "--gin.TRAIN_STEPS=100000", "--gin.CHECKPOINT_PERIOD=50000"],
-                  cwd=str(tmp_path), log_dir=str(tmp_path / "logs"), heartbeat_timeout=heartbeat)
-  job.wait_for_output(0, "step 2/", timeout=300)  # training is really under way
-  job.kill(1)
-  killed_at = time.monotonic()
-  survivor, killed = job.wait(timeout=120)
-  assert killed.returncode == -9
-  assert survivor.returncode == distributed.PEER_LOST_EXIT, job.describe()
-  assert "process 1 of 2 stopped responding: no heartbeat for 5 s" in survivor.last_error_line()
-  # Silence is noticed after `heartbeat` s; the rest is polling and exiting.
-  assert survivor.ended_at - killed_at < heartbeat + 10, survivor.ended_at - killed_at
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
-  import signal
-
+def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere_then_a_killed_peer_stops_the_survivor(  # noqa: E501
+    tmp_path):
   model_dir = tmp_path / "run"
-  job = start_job(lambda i: [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'",
-                             "--gin.TRAIN_STEPS=100000", "--gin.CHECKPOINT_PERIOD=50000",
-                             "--gin.STATS_PERIOD=2"],
-                  cwd=str(tmp_path), log_dir=str(tmp_path / "logs"))
+
+  def start(name, **kwargs):
+    return start_job(lambda i: [*TRAIN, f"--gin.MODEL_DIR='{model_dir}'",
+                                "--gin.TRAIN_STEPS=100000", "--gin.CHECKPOINT_PERIOD=50000",
+                                "--gin.STATS_PERIOD=2"],
+                     cwd=str(tmp_path), log_dir=str(tmp_path / "logs" / name), **kwargs)
+
+  job = start("sigterm")
   job.wait_for_output(0, "step 4/", timeout=300)
   job.procs[1].send_signal(signal.SIGTERM)  # only process 1 is told
   results = job.wait(timeout=120)
@@ -328,6 +309,21 @@ def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
   assert f"Preempted at step {steps[0]}" in results[0].stderr, results[0].stderr[-2000:]
   saved = os.listdir(model_dir / "checkpoints" / str(steps[0]) / "dataset")
   assert sorted(n for n in saved if n.startswith("process_")) == ["process_0", "process_1"]
+
+  # The same command restarts from that checkpoint in 2 processes; once
+  # training is really under way again, process 1 is killed.
+  heartbeat = 5
+  job = start("sigkill", heartbeat_timeout=heartbeat)
+  job.wait_for_output(0, f"step {steps[0] + 2}/", timeout=300)
+  assert f"Restoring step {steps[0]}" in job.output(0)[0], job.describe()
+  job.kill(1)
+  killed_at = time.monotonic()
+  survivor, killed = job.wait(timeout=120)
+  assert killed.returncode == -9
+  assert survivor.returncode == distributed.PEER_LOST_EXIT, job.describe()
+  assert "process 1 of 2 stopped responding: no heartbeat for 5 s" in survivor.last_error_line()
+  # Silence is noticed after `heartbeat` s; the rest is polling and exiting.
+  assert survivor.ended_at - killed_at < heartbeat + 10, survivor.ended_at - killed_at
 
 
 @pytest.mark.slow

@@ -442,12 +442,11 @@ def test_adamw_cosine_recipe_is_the_documented_one(clean_gin):
 
 
 @pytest.mark.slow
-def test_recipe_cli_run_logs_rate_and_skipped_steps(tmp_path):
-  from test_cli import TINY, run_cli, scalars
+def test_recipe_cli_run_logs_rate_and_skipped_steps(tmp_path, monkeypatch):
+  from test_cli import TINY, run_in_process, scalars
   model_dir = tmp_path / "run"
-  out = run_cli([*TINY, "--gin_file=gin/learners/adastar.gin", f"--gin.MODEL_DIR='{model_dir}'"],
-                cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-3000:]
+  run_in_process([*TINY, "--gin_file=gin/learners/adastar.gin", f"--gin.MODEL_DIR='{model_dir}'"],
+                 str(tmp_path), monkeypatch)
   logdir = os.path.join(model_dir, "train")
   assert scalars(logdir, "optimizer/skipped_steps") == {2: 0.0, 4: 0.0}
   rates = scalars(logdir, "learning_rate")

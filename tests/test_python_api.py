@@ -217,23 +217,22 @@ def test_bad_sources_say_what_is_wrong(source, bindings, message):
 
 
 @pytest.mark.slow
-def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path):
-  from test_cli import run_cli
+def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path, monkeypatch):
+  # The commands run in this process: what they write is what is compared.
+  from test_cli import run_in_process
   model_dir = str(tmp_path / "run")
   tiny = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/testing/local_tiny.gin"]
-  result = run_cli([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1],
-                    "--gin.INITIAL_CHECKPOINT_PATH=None", f"--gin.MODEL_DIR='{model_dir}'",
-                    "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
-                    "--gin.INFER_EVAL_DATASET_CFG=None"], cwd=str(tmp_path))
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1],
+                  "--gin.INITIAL_CHECKPOINT_PATH=None", f"--gin.MODEL_DIR='{model_dir}'",
+                  "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+                  "--gin.INFER_EVAL_DATASET_CFG=None"], str(tmp_path), monkeypatch)
   questions = ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
   (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
-  result = run_cli([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1],
-                    f"--gin.CHECKPOINT_PATH='{model_dir}'",
-                    f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
-                    f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
-                   cwd=str(tmp_path), script="t5lite-infer")
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_in_process([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1],
+                  f"--gin.CHECKPOINT_PATH='{model_dir}'",
+                  f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
+                  f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
+                 str(tmp_path), monkeypatch, script="t5lite-infer")
   rows = [json.loads(line) for line in (tmp_path / "out" / "questions-4.jsonl").open()]
   # The run's own config.gin and newest checkpoint, or the files it was trained with.
   for model in (api.load(model_dir, batch_size=2),

@@ -5,7 +5,7 @@ the same parameters and loss after training on 1 device and under each
 preset on 8, a run resumed on a different mesh, and parameters created
 already split.
 
-The device count is fixed before JAX starts, so each check runs in a
+The device count is fixed before JAX starts, so the checks run in one
 subprocess with 8 fake CPU devices that prints one JSON line; the tests
 compare it with the literal expectations written here.
 """
@@ -214,25 +214,18 @@ for kind in ("encdec", "deconly"):
         if dim % int(np.prod([p.mesh.shape[n] for n in names])):
           uneven.append(name)
     out[f"{kind}/{preset}"] = {"mesh": big_axes(p.mesh), "golden": golden, "uneven": uneven}
-print(json.dumps(out))
+results["specs"] = out
 """
 
-# Trains MODEL 5 steps on one device and under every preset, records the
-# placement of the state as init_or_restore returns it (before any step), and
-# for the encoder-decoder resumes a 3-step data_parallel run under fsdp_tp.
-# The persistent compilation cache lets the resume reuse the executables that
-# the invariance runs compiled for the same meshes.
-_TRAIN = """
+# Records the placement of the state as init_or_restore returns it (before
+# any step). The persistent compilation cache lets the resume (_TRAIN_MODEL)
+# reuse the executables that the invariance runs compiled for the same meshes.
+_TRAIN_SETUP = """
 from t5lite.checkpoints import CheckpointConfig, SaveCheckpointConfig
 from t5lite.trainer import Trainer
 jax.config.update("jax_compilation_cache_dir", os.path.join(ROOT, "compilation_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-model, cfg = make_model(MODEL, **TRAIN_OVERRIDES)
-batch = next(get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS, num_epochs=1).as_numpy_iterator())
-_loss = jax.jit(lambda params, batch: model.loss_fn(params, batch, None)[0])
-host_loss = lambda params: _loss(params, batch)
 
 started = []  # (start step, state summary) per init_or_restore call
 _init_or_restore = state_init.init_or_restore
@@ -274,10 +267,19 @@ def run(preset, model_dir, total_steps, save=None):
 
 def max_abs_diff(a, b):
   return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+"""
+
+# Trains MODEL 5 steps on one device and under every preset and, for the
+# encoder-decoder, resumes a 3-step data_parallel run under fsdp_tp.
+_TRAIN_MODEL = """
+model, cfg = make_model(MODEL, **TRAIN_OVERRIDES)
+batch = next(get_dataset(cfg, 0, 1, model.FEATURE_CONVERTER_CLS, num_epochs=1).as_numpy_iterator())
+_loss = jax.jit(lambda params, batch: model.loss_fn(params, batch, None)[0])
+host_loss = lambda params: _loss(params, batch)
 
 out = {"steps": {}, "losses": {}, "param_diffs": {}, "init": {}}
 for preset in ("single", "data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"):
-  out["steps"][preset], params = run(preset, os.path.join(ROOT, preset), 5)
+  out["steps"][preset], params = run(preset, os.path.join(ROOT, MODEL, preset), 5)
   start, summary = started[-1]
   init_params = summary.pop("init_params")
   if preset == "single":
@@ -288,7 +290,7 @@ for preset in ("single", "data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"):
   out["init"][preset] = summary
 
 if MODEL == "encdec":
-  resume_dir = os.path.join(ROOT, "resume")
+  resume_dir = os.path.join(ROOT, MODEL, "resume")
   step3, params3 = run("data_parallel", resume_dir, 3, SaveCheckpointConfig(period=3))
   step5, params5 = run("fsdp_tp", resume_dir, 5)
   start, summary = started[-1]
@@ -299,7 +301,7 @@ if MODEL == "encdec":
       "param_diff": max_abs_diff(params5, baseline),
       "checkpoints": sorted(int(d) for d in os.listdir(os.path.join(resume_dir, "checkpoints"))
                             if d.isdigit())}
-print(json.dumps(out))
+results[MODEL] = out
 """
 
 
@@ -317,17 +319,27 @@ def _run(body, tmp_path, **constants):
                "ROOT": str(tmp_path), **constants}
   code = (_FAST_COMPILE + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
           + _COMMON + body)
-  out = testing.run_with_devices(textwrap.dedent(code), num_devices=8, timeout=600,
+  out = testing.run_with_devices(textwrap.dedent(code), num_devices=8, timeout=1200,
                                  extra_env={"TF_CPP_MIN_LOG_LEVEL": "3"})
   assert out.returncode == 0, out.stderr[-4000:]
   return _tuples(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def test_golden_partition_specs_per_preset(tmp_path):
-  got = _run(_SPECS, tmp_path)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """What every test checks, from one process (its start-up paid once): the
+  golden specs, then each model trained on every mesh."""
+  trained = {"encdec": ENC_DEC_TRAIN, "deconly": DEC_ONLY_TRAIN}
+  body = ("results = {}\n" + _SPECS + _TRAIN_SETUP
+          + f"for MODEL, TRAIN_OVERRIDES in {trained!r}.items():\n"
+          + textwrap.indent(_TRAIN_MODEL, "  ") + "print(json.dumps(results))\n")
+  return _run(body, tmp_path_factory.mktemp("meshes"))
+
+
+def test_golden_partition_specs_per_preset(results):
   for kind, table in GOLDEN.items():
     for preset, expected in _per_preset(table).items():
-      result = got[f"{kind}/{preset}"]
+      result = results["specs"][f"{kind}/{preset}"]
       assert result["mesh"] == MESHES[preset], (kind, preset)
       assert result["golden"] == expected, (kind, preset)
       # The tiny model's sizes split evenly under every preset.
@@ -355,8 +367,8 @@ def _check_invariance_and_placement(got, kind):
   assert fsdp["split_params"] == fsdp["params"] - stacks
 
 
-def test_encoder_decoder_is_mesh_invariant_and_resumes_on_another_mesh(tmp_path):
-  got = _run(_TRAIN, tmp_path, MODEL="encdec", TRAIN_OVERRIDES=ENC_DEC_TRAIN)
+def test_encoder_decoder_is_mesh_invariant_and_resumes_on_another_mesh(results):
+  got = results["encdec"]
   _check_invariance_and_placement(got, "encdec")
 
   resume = got["resume"]
@@ -371,6 +383,6 @@ def test_encoder_decoder_is_mesh_invariant_and_resumes_on_another_mesh(tmp_path)
   assert resume["param_diff"] <= TOLERANCE
 
 
-def test_decoder_only_is_mesh_invariant(tmp_path):
-  got = _run(_TRAIN, tmp_path, MODEL="deconly", TRAIN_OVERRIDES=DEC_ONLY_TRAIN)
+def test_decoder_only_is_mesh_invariant(results):
+  got = results["deconly"]
   _check_invariance_and_placement(got, "deconly")

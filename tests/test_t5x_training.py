@@ -52,16 +52,37 @@ CHAOS = _load("t5x_chaos.npz")
 MORE = _load("t5x_chaos_more.npz")
 
 
-def _measure(case, tmp_path):
-  """The worker's measurements, in a process with XLA's default settings."""
+CASES = ("start", "start_scanned", "resume", "decoder_only", "decoder_only_scanned",
+         "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def measurements(tmp_path_factory):
+  """Every case's measurements (or the traceback of its failure), from one
+  worker process with XLA's default settings: its imports and start-up are
+  paid once, not per case."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if not f.startswith("--xla_backend_optimization_level"))
-  result = subprocess.run([sys.executable, WORKER, case, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+  workdir = tmp_path_factory.mktemp("t5x_parity")
+  result = subprocess.run([sys.executable, WORKER, str(workdir), *CASES], env=env,
+                          capture_output=True, text=True, timeout=1800)
   assert result.returncode == 0, result.stderr[-3000:]
-  line = [out for out in result.stdout.splitlines() if out.startswith("RESULT ")][-1]
-  return json.loads(line[len("RESULT "):])
+  measured = {}
+  for line in result.stdout.splitlines():
+    if line.startswith(("RESULT ", "FAILED ")):
+      status, payload = line.split(" ", 1)
+      case, found = json.loads(payload)
+      measured[case] = (status == "RESULT", found)
+  assert set(measured) == set(CASES), result.stderr[-3000:]
+  return measured
+
+
+def _measure(case, measurements):
+  """The worker's measurements of `case`; fails with its traceback."""
+  ok, found = measurements[case]
+  assert ok, found
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,28 +192,28 @@ def test_t5x_on_another_cpu_is_not_bitwise_its_own_run():
 
 
 @pytest.mark.parametrize("case", ["start", "start_scanned"])
-def test_thirty_steps_from_t5x_s_start_match_t5x_s_run(tmp_path, case):
-  measured = _measure(case, tmp_path)
+def test_thirty_steps_from_t5x_s_start_match_t5x_s_run(measurements, case):
+  measured = _measure(case, measurements)
   assert len(measured["losses"]) == 30 and set(measured["gaps"]) == {"10", "30"}
   _check(measured, 1)
 
 
-def test_a_t5x_run_continues_from_its_step_10_state(tmp_path):
-  measured = _measure("resume", tmp_path)
+def test_a_t5x_run_continues_from_its_step_10_state(measurements):
+  measured = _measure("resume", measurements)
   assert len(measured["losses"]) == 20 and set(measured["gaps"]) == {"30"}
   _check(measured, 11)
 
 
 @pytest.mark.parametrize("case", ["decoder_only", "decoder_only_scanned"])
-def test_decoder_only_twenty_steps_match_t5x_s_run(tmp_path, case):
+def test_decoder_only_twenty_steps_match_t5x_s_run(measurements, case):
   # deconly_b: T5X's own decoder-only run. Its losses stay inside the
   # issue's bounds; at checkpoint_20 T5X's own spread (1.5e-4) is larger.
-  measured = _measure(case, tmp_path)
+  measured = _measure(case, measurements)
   assert len(measured["losses"]) == 20 and set(measured["gaps"]) == {"10", "20"}
   _check(measured, 1, DECODER_ONLY_METRICS, DECONLY_SPREAD)
 
 
-def test_bfloat16_activations_match_t5x_s_bfloat16_run(tmp_path):
+def test_bfloat16_activations_match_t5x_s_bfloat16_run(measurements):
   # bfloat16 keeps 8 significant bits (a rounding of up to 2e-3 per product);
   # two implementations, or two CPUs, that round different intermediate
   # products differ by that much per operation, which a sum over 100+ tokens
@@ -204,7 +225,7 @@ def test_bfloat16_activations_match_t5x_s_bfloat16_run(tmp_path):
   # step 1 and 1.3e-2 at step 6. Hence 1e-3 at step 1, 1e-2 to step 10 or
   # T5X's own spread where larger, and nothing per step after
   # (docs/from_t5x.md).
-  measured = _measure("bfloat16", tmp_path)
+  measured = _measure("bfloat16", measurements)
   losses = np.array(measured["losses"])
   gaps = np.abs(losses - BFLOAT16_METRICS["loss"]) / BFLOAT16_METRICS["loss"]
   spread = _spread_here("bf16")

@@ -1,15 +1,18 @@
 """`t5lite-vocab` through the real console script: a vocabulary that seqio
-loads, one-line errors, and a training run on it with the printed flags."""
+loads, one-line errors, and a training run (in this process) on it with the
+printed flags."""
 
 import gzip
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 
 import pytest
 import seqio
-from test_cli import BIN, TINY
+from test_cli import BIN, TINY, run_in_process
 
 from t5lite.data import build_corpus
 
@@ -33,21 +36,27 @@ def write_text(directory, lines=3000):
       f.writelines(part)
 
 
-def train_vocab(tmp_path, *extra):
-  write_text(tmp_path / "text")
-  return run("t5lite-vocab", ["--input=text/part*.txt", "--model_prefix=vocab/my",
-                              "--vocab_size=300", *extra], cwd=str(tmp_path))
-
-
 def printed_flags(stdout):
   return shlex.split(stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # real processes
-def test_vocab_round_trips_and_prints_gin_flags(tmp_path):
-  result = train_vocab(tmp_path, "--model_type=bpe", "--max_sentences=2000")
+@pytest.fixture(scope="module")
+def trained_vocab(tmp_path_factory):
+  """One `t5lite-vocab` run, shared read-only: (its folder, with text/ and
+  vocab/my.model, and its result)."""
+  folder = tmp_path_factory.mktemp("vocab")
+  write_text(folder / "text")
+  result = run("t5lite-vocab", ["--input=text/part*.txt", "--model_prefix=vocab/my",
+                                "--vocab_size=300", "--model_type=bpe", "--max_sentences=2000"],
+               cwd=str(folder))
   assert result.returncode == 0, result.stderr[-3000:]
-  path = tmp_path / "vocab" / "my.model"
+  return folder, result
+
+
+@pytest.mark.slow  # a real process
+def test_vocab_round_trips_and_prints_gin_flags(trained_vocab):
+  folder, result = trained_vocab
+  path = folder / "vocab" / "my.model"
   assert f"Wrote {path}: 300 bpe pieces from 2 file(s)." in result.stdout
   flags = printed_flags(result.stdout)
   assert flags == ["--gin.VOCABULARY=@vocabularies.sentencepiece_vocabulary()",
@@ -92,20 +101,26 @@ seqio.TaskRegistry.add(
 '''
 
 
-@pytest.mark.slow
-def test_training_with_the_printed_flags(tmp_path):
-  result = train_vocab(tmp_path)
-  assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.slow  # the fixture's real t5lite-vocab process
+def test_training_with_the_printed_flags(trained_vocab, tmp_path, monkeypatch):
+  folder, result = trained_vocab
+  shutil.copytree(folder, tmp_path, dirs_exist_ok=True)  # text/ and vocab/ for the task
   (tmp_path / "my_tasks.py").write_text(TASK_MODULE)
   args = [*TINY, *printed_flags(result.stdout), "--gin.MODEL_DIR='run'",
           "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'", "--gin.MIXTURE_OR_TASK_NAME='my_text'",
           "--gin.TRAIN_STEPS=2"]
-  trained = run("t5lite-train", args, cwd=str(tmp_path))
-  assert trained.returncode == 0, trained.stderr[-3000:]
+  # The training run in this process: what it writes is what matters here.
+  # Another test's module of the same name must not stand in for this one,
+  # nor this one stay behind for the next.
+  monkeypatch.delitem(sys.modules, "my_tasks", raising=False)
+  try:
+    run_in_process(args, str(tmp_path), monkeypatch)
+  finally:
+    sys.modules.pop("my_tasks", None)
   assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
   info = (tmp_path / "run" / "model-info.txt").read_text()
   assert re.search(r"token_embedder/embedding .* shape \(512, 8\)", info)
   config = " ".join((tmp_path / "run" / "config.gin").read_text().replace("\\\n", "").split())
   assert "VOCAB_SIZE = 512" in config
   assert (f"vocabularies.sentencepiece_vocabulary.model_path = "
-          f"'{tmp_path / 'vocab' / 'my.model'}'") in config
+          f"'{folder / 'vocab' / 'my.model'}'") in config  # as printed
