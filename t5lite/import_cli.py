@@ -53,9 +53,7 @@ def import_gin() -> str:
       have, a T5X config.gin that is not an operative config, or an
       existing --output without --overwrite (nothing is written).
   """
-  from t5lite import checkpoints as ckpt_lib
   from t5lite import interop
-  from t5lite.interop import gin_file, t5x_recipe
   if not FLAGS.source:
     raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
   refuse_url("--source", FLAGS.source)
@@ -65,10 +63,10 @@ def import_gin() -> str:
     raise UserError(f"--source {FLAGS.source} does not exist.")
   if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
     raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
-  description, network, fields, vocabulary = interop.describe(source)
-  recipe = (t5x_recipe.for_checkpoint(source, network)
-            if ckpt_lib.open_checkpoint(source).kind == interop.T5X else None)
-  text = gin_file.model_gin(network, fields, vocabulary, source, recipe)
+  imported = interop.model_gin(source)
+  description, network, vocabulary, recipe, text = (
+      imported.description, imported.network, imported.vocabulary, imported.recipe,
+      imported.text)
   if FLAGS.output:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
     with open(FLAGS.output + ".tmp", "w") as f:

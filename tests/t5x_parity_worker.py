@@ -21,7 +21,7 @@ import gin
 from t5lite import checkpoints as ckpt_lib
 from t5lite import cli, interop, optimizers, partitioning, state_init, tree_paths
 from t5lite import trainer as trainer_lib
-from t5lite.interop import gin_file, t5x, t5x_recipe
+from t5lite.interop import t5x
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "t5x_train")
@@ -48,15 +48,12 @@ def _model(tmp_path, source, bindings=()):
 
 def _import_gin_file(source, output):
   """Writes the gin file `t5lite-import --source=SOURCE --output=OUTPUT`
-  writes for a T5X checkpoint, with the calls its `import_gin` makes, in this
-  process: `import_cli`'s flags clash with those of `cli`, which parses gin
-  here. Returns the T5X settings the file leaves out."""
-  source = os.path.abspath(source)
-  _, network, fields, vocabulary = interop.describe(source)
-  recipe = t5x_recipe.for_checkpoint(source, network)
+  writes (`interop.model_gin`, which the command calls), in this process;
+  returns the T5X settings the file leaves out."""
+  imported = interop.model_gin(os.path.abspath(source))
   with open(output, "w") as f:
-    f.write(gin_file.model_gin(network, fields, vocabulary, source, recipe))
-  return [omitted.binding for omitted in recipe.omitted]
+    f.write(imported.text)
+  return [omitted.binding for omitted in imported.recipe.omitted]
 
 
 class _Run:

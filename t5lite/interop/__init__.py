@@ -85,6 +85,41 @@ def describe(path: str) -> tuple[str, str, dict[str, Any], tuple[str, str | None
                   "Face folder (config.json + *.safetensors).")
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelGin:
+  """The gin file `t5lite-import` writes for a foreign checkpoint.
+
+  Attributes:
+    description: what the checkpoint is, as `describe` says.
+    network: `gin_file.ENCODER_DECODER` or `DECODER_ONLY`.
+    vocabulary: as `describe` returns it.
+    recipe: the training recipe of a T5X checkpoint's run, None for a
+      Hugging Face folder or a T5X checkpoint without its config.gin.
+    text: the gin file.
+  """
+  description: str
+  network: str
+  vocabulary: tuple[str, str | None]
+  recipe: gin_file.Recipe | None
+  text: str
+
+
+def model_gin(path: str) -> ModelGin:
+  """The gin file of a foreign checkpoint's model (absolute `path`): what
+  `describe` finds and, for a T5X checkpoint, its run's recipe.
+
+  Raises:
+    ValueError: as `describe` and `t5x_recipe.for_checkpoint` do.
+  """
+  from t5lite import checkpoints as ckpt_lib
+  from t5lite.interop import t5x_recipe
+  description, network, fields, vocabulary = describe(path)
+  recipe = (t5x_recipe.for_checkpoint(path, network)
+            if ckpt_lib.open_checkpoint(path).kind == T5X else None)
+  return ModelGin(description, network, vocabulary, recipe,
+                  gin_file.model_gin(network, fields, vocabulary, path, recipe))
+
+
 def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
   """Opens a foreign checkpoint.
 
