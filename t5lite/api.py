@@ -135,8 +135,8 @@ def _config_of(source: str | Sequence[str]) -> tuple[list[str], str | None, str 
                     "model_dir, a T5X checkpoint or a Hugging Face folder.")
   if interop.checkpoint_format(source):
     from t5lite.interop import gin_file
-    _, network, fields, vocabulary = interop.describe(source)
-    return [], source, gin_file.model_gin(network, fields, vocabulary, source)
+    found = interop.describe(source)
+    return [], source, gin_file.model_gin(found.network, found.fields, found.vocabulary, source)
   config = os.path.join(source, "config.gin")
   if os.path.isfile(config):
     return [config], source, None

@@ -64,9 +64,7 @@ def import_gin() -> str:
   if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
     raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
   imported = interop.model_gin(source)
-  description, network, vocabulary, recipe, text = (
-      imported.description, imported.network, imported.vocabulary, imported.recipe,
-      imported.text)
+  recipe, text = imported.recipe, imported.text
   if FLAGS.output:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
     with open(FLAGS.output + ".tmp", "w") as f:
@@ -78,10 +76,11 @@ def import_gin() -> str:
                     FLAGS.output or "the file", ", ".join(o.binding for o in recipe.omitted))
   if not FLAGS.output:
     return text
-  vocab = {"byte": "bytes", "sentencepiece": vocabulary[1]}.get(vocabulary[0], "unknown: set "
-                                                                 "VOCABULARY in the file")
-  model = (f"Wrote {FLAGS.output}: the {network.replace('_', '-')} model of the {description} "
-           f"{source} (vocabulary {vocab})")
+  found = imported.found
+  vocab = {"byte": "bytes", "sentencepiece": found.vocabulary[1]}.get(
+      found.vocabulary[0], "unknown: set VOCABULARY in the file")
+  model = (f"Wrote {FLAGS.output}: the {found.network.replace('_', '-')} model of the "
+           f"{found.text} {source} (vocabulary {vocab})")
   if recipe is None:
     return (f"{model}.\nUse it first: t5lite-train --gin_file={FLAGS.output} "
             f"--gin_file=gin/runs/finetune.gin --gin.INITIAL_CHECKPOINT_PATH=\"'{source}'\" ...")

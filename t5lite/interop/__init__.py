@@ -58,13 +58,26 @@ def checkpoint_step(path: str) -> int:
   return 0
 
 
-def describe(path: str) -> tuple[str, str, dict[str, Any], tuple[str, str | None]]:
+@dataclasses.dataclass(frozen=True)
+class Description:
   """What a foreign checkpoint holds, enough to write its model's gin file.
 
-  Returns:
-    (description, network, TransformerConfig fields, vocabulary) where
-    network is `gin_file.ENCODER_DECODER` or `DECODER_ONLY` and vocabulary
-    ('byte' | 'sentencepiece' | 'unknown', model file or None).
+  Attributes:
+    kind: `T5X` or `HUGGING_FACE`.
+    text: what the checkpoint is, in words ("T5X ... checkpoint (step 10)").
+    network: `gin_file.ENCODER_DECODER` or `DECODER_ONLY`.
+    fields: the `TransformerConfig` fields of its model.
+    vocabulary: ('byte' | 'sentencepiece' | 'unknown', model file or None).
+  """
+  kind: str
+  text: str
+  network: str
+  fields: dict[str, Any]
+  vocabulary: tuple[str, str | None]
+
+
+def describe(path: str) -> Description:
+  """What the foreign checkpoint at `path` holds.
 
   Raises:
     ValueError: not a foreign checkpoint, unreadable, or an architecture
@@ -74,13 +87,14 @@ def describe(path: str) -> tuple[str, str, dict[str, Any], tuple[str, str | None
   if kind == HUGGING_FACE:
     folder = huggingface.HuggingFaceFolder(path)
     huggingface.to_t5lite(folder)  # every array present and placed
-    return (f"Hugging Face {folder.model_type} folder", gin_file.ENCODER_DECODER,
-            huggingface.model_config(folder), folder.vocabulary())
+    return Description(kind, f"Hugging Face {folder.model_type} folder",
+                       gin_file.ENCODER_DECODER, huggingface.model_config(folder),
+                       folder.vocabulary())
   if kind == T5X:
     checkpoint = t5x.T5xCheckpoint(path)
     network, fields, vocabulary = t5x.model_fields(checkpoint)
-    return (f"T5X {checkpoint.format} checkpoint (step {checkpoint.step})", network, fields,
-            vocabulary)
+    return Description(kind, f"T5X {checkpoint.format} checkpoint (step {checkpoint.step})",
+                       network, fields, vocabulary)
   raise UserError(f"{path} is neither a T5X checkpoint (checkpoint_<step>/) nor a Hugging "
                   "Face folder (config.json + *.safetensors).")
 
@@ -90,16 +104,12 @@ class ModelGin:
   """The gin file `t5lite-import` writes for a foreign checkpoint.
 
   Attributes:
-    description: what the checkpoint is, as `describe` says.
-    network: `gin_file.ENCODER_DECODER` or `DECODER_ONLY`.
-    vocabulary: as `describe` returns it.
+    found: what `describe` found there.
     recipe: the training recipe of a T5X checkpoint's run, None for a
       Hugging Face folder or a T5X checkpoint without its config.gin.
     text: the gin file.
   """
-  description: str
-  network: str
-  vocabulary: tuple[str, str | None]
+  found: Description
   recipe: gin_file.Recipe | None
   text: str
 
@@ -111,13 +121,11 @@ def model_gin(path: str) -> ModelGin:
   Raises:
     ValueError: as `describe` and `t5x_recipe.for_checkpoint` do.
   """
-  from t5lite import checkpoints as ckpt_lib
   from t5lite.interop import t5x_recipe
-  description, network, fields, vocabulary = describe(path)
-  recipe = (t5x_recipe.for_checkpoint(path, network)
-            if ckpt_lib.open_checkpoint(path).kind == T5X else None)
-  return ModelGin(description, network, vocabulary, recipe,
-                  gin_file.model_gin(network, fields, vocabulary, path, recipe))
+  found = describe(path)
+  recipe = t5x_recipe.for_checkpoint(path, found.network) if found.kind == T5X else None
+  return ModelGin(found, recipe, gin_file.model_gin(found.network, found.fields,
+                                                   found.vocabulary, path, recipe))
 
 
 def read_foreign(path: str) -> tuple[dict[str, lazy.LazyArray], str]:
