@@ -137,7 +137,7 @@ def test_scalable_t5_layout_with_a_table_in_every_layer_imports(tmp_path, networ
   names = set(t5x.T5xCheckpoint(path).arrays)
   assert "target/decoder/layers/relative_posemb/rel_embedding" in names
   assert "target/decoder/relpos_bias/rel_embedding" not in names
-  _, _, fields, _ = interop.describe(path)
+  fields = interop.describe(path).fields
   assert fields["relpos_per_layer"] is True
   model = h.t5x_model(network, scan_layers=scan, relpos_per_layer=True)
   batch = h.t5x_batch(network)
@@ -183,14 +183,16 @@ def test_evaluate_infer_and_export_read_the_t5x_step(tmp_path):
 
 
 def test_describe_finds_the_architecture_and_vocabulary():
-  _, network, fields, vocab = interop.describe(h.T5X_CHECKPOINTS["a", "legacy"])
+  found = interop.describe(h.T5X_CHECKPOINTS["a", "legacy"])
+  network, fields, vocab = found.network, found.fields, found.vocabulary
   assert network == "encoder_decoder" and vocab == ("byte", None)
   assert fields == {
       "vocab_size": 384, "emb_dim": 64, "num_heads": 2, "num_encoder_layers": 2,
       "num_decoder_layers": 2, "head_dim": 16, "mlp_dim": 128,
       "mlp_activations": ("gelu", "linear"), "logits_via_embedding": False,
       "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
-  _, network, fields, _ = interop.describe(h.T5X_CHECKPOINTS["c", "orbax"])
+  found = interop.describe(h.T5X_CHECKPOINTS["c", "orbax"])
+  network, fields = found.network, found.fields
   assert network == "decoder_only" and fields["logits_via_embedding"]
   assert fields["num_encoder_layers"] == 0
 

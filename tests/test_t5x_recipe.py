@@ -158,11 +158,10 @@ def _parse_written(path, *bindings):
 
 
 def _written(tmp_path, source):
-  _, network, fields, vocabulary = interop.describe(source)
-  recipe = t5x_recipe.for_checkpoint(source, network)
+  imported = interop.model_gin(source)
   path = tmp_path / "t5x.gin"
-  path.write_text(gin_file.model_gin(network, fields, vocabulary, source, recipe))
-  return str(path), recipe
+  path.write_text(imported.text)
+  return str(path), imported.recipe
 
 
 def _call(reference):
