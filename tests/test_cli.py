@@ -42,8 +42,9 @@ _CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
 def _in_process(args, cwd, monkeypatch, script, cache):
   """Parses `script ARGS` as the console script would, in `cwd`, and yields
   the command's entry point; everything the command sets in this process
-  (flags, gin, JAX's compilation-cache settings, sys.path) is put back
-  after. With `cache`, the command uses the cache directory the test's
+  (flags, gin, JAX's compilation-cache settings, sys.path, the modules it
+  imported from `cwd`, such as a user's task module) is put back after.
+  With `cache`, the command uses the cache directory the test's
   launches use ($JAX_COMPILATION_CACHE_DIR, tests/conftest.py), as a launch
   would, and JAX lets go of it after; without, `--nocompilation_cache`."""
   import jax
@@ -51,6 +52,7 @@ def _in_process(args, cwd, monkeypatch, script, cache):
   settings = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
   monkeypatch.chdir(cwd)
   monkeypatch.setattr(sys, "path", list(sys.path))  # the command adds cwd to it
+  imported = set(sys.modules)
   cli.FLAGS.unparse_flags()
   cli.FLAGS(cli.rewrite_gin_args([script, *([] if cache else ["--nocompilation_cache"]),
                                   *args]))
@@ -63,6 +65,10 @@ def _in_process(args, cwd, monkeypatch, script, cache):
     for name, value in settings.items():
       jax.config.update(name, value)
     jax_cache.reset_cache()  # the next use opens the directory set then
+    folder = os.path.join(os.path.abspath(cwd), "")
+    for name in set(sys.modules) - imported:
+      if (getattr(sys.modules[name], "__file__", None) or "").startswith(folder):
+        del sys.modules[name]
 
 
 def user_error_line(args, cwd, monkeypatch, script="t5lite-train"):
@@ -360,17 +366,17 @@ def test_user_task_from_user_module(tmp_path, monkeypatch):
   import seqio
   (tmp_path / "my_tasks.py").write_text(USER_TASKS)
   model_dir = tmp_path / "user"
-  # The command imports the module into this process: taken out again after,
-  # with the task it registers.
+  # The command imports the module into this process (`run_in_process` takes
+  # it out again); the task it registers is removed here.
   try:
     run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
                     "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'",
                     "--gin.MIXTURE_OR_TASK_NAME='my_copy_task'",
                     "--gin.TRAIN_STEPS=2"], str(tmp_path), monkeypatch)
   finally:
-    sys.modules.pop("my_tasks", None)
     seqio.TaskRegistry.remove("my_copy_task")
   assert "my_copy_task" in os.listdir(model_dir / "training_eval")
+  assert "my_tasks" not in sys.modules
 
 
 @pytest.mark.slow
