@@ -76,12 +76,75 @@ def _run_chain(rng, *, decode_fn, batch, length, knobs):
                    **dict(knobs))
 
 
-def _decode(decode_fn, batch=3, length=4, rng=None, **knobs):
-  """Decodes the chain from `batch` start tokens; one compile per setting."""
-  rng = jax.random.key(0) if rng is None else rng
-  tokens, scores = _run_chain(rng, decode_fn=decode_fn, batch=batch, length=length,
-                              knobs=tuple(sorted(knobs.items())))
+def _setting(decode_fn, batch=3, length=4, seed=0, **knobs):
+  return decode_fn, batch, length, seed, tuple(sorted(knobs.items()))
+
+
+def _first_step_probs():
+  logits = CHAIN_TABLE[0, 0].astype(np.float64)
+  return np.exp(logits) / np.sum(np.exp(logits))
+
+
+def _shared_settings():
+  """The chain decodes the tests below read from one compiled program."""
+  greedy, beam, sample = decoding.greedy, decoding.beam_search, decoding.temperature_sample
+  order = list(np.argsort(-_first_step_probs()))
+  topp = float(_first_step_probs()[order[0]] + 0.5 * _first_step_probs()[order[1]])
+  with np.load(T5X_BEAM, allow_pickle=False) as ref:
+    configs = ref["configs"].tolist()
+  return [
+      _setting(greedy), _setting(greedy, batch=5, length=5),
+      *(_setting(sample, batch=5, length=5, seed=3, num_decodes=3, **knobs)
+        for knobs in DEGENERATE_SAMPLING),
+      *(_setting(sample, batch=1, length=1, seed=5, num_decodes=200, temperature=1.0, **knobs)
+        for knobs in ({}, dict(topk=2), dict(topp=topp))),
+      *(_setting(beam, batch=3, length=3, num_beams=80, alpha=alpha, num_decodes=num_decodes)
+        for alpha in (0.0, 0.6) for num_decodes in (5, 30)),
+      # T5X's configurations (test_beam_search_is_t5x_s) include those of the
+      # one-beam and more-beams tests: 1, 3 and 8 beams at length 5.
+      *(_setting(beam, batch=5, length=length, num_beams=beams, alpha=alpha10 / 10)
+        for beams, alpha10, length in configs),
+      _setting(beam, num_beams=4, alpha=0.0), _setting(beam, num_beams=4, alpha=0.0, num_decodes=2),
+      _setting(sample, num_decodes=6),
+  ]
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_decodes():
+  """{setting: (tokens, scores)} of every shared setting, from ONE jitted
+  program: each setting's own program compiles in about a second, most of it
+  the fixed cost of a compile; together they compile several times faster.
+  Each decode in it is the same computation it is alone."""
+  settings = _shared_settings()
+
+  @jax.jit
+  def run(rngs):
+    out = []
+    for (decode_fn, batch, length, _, knobs), rng in zip(settings, rngs):
+      cache, first = _chain_start(batch)
+      out.append(decode_fn(_chain_step, cache, first, rng, max_decode_length=length,
+                           eos_id=EOS, **dict(knobs)))
+    return out
+
+  results = run([jax.random.key(seed) for _, _, _, seed, _ in settings])
+  return {s: (np.asarray(t), np.asarray(c)) for s, (t, c) in zip(settings, results)}
+
+
+def _decode(decode_fn, batch=3, length=4, seed=0, **knobs):
+  """Decodes the chain from `batch` start tokens with `jax.random.key(seed)`:
+  a shared setting from the one program of `_shared_decodes`, any other with
+  a compile of its own."""
+  setting = _setting(decode_fn, batch, length, seed, **knobs)
+  shared = _shared_decodes()
+  if setting in shared:
+    return shared[setting]
+  tokens, scores = _run_chain(jax.random.key(seed), decode_fn=decode_fn, batch=batch,
+                              length=length, knobs=setting[-1])
   return np.asarray(tokens), np.asarray(scores)
+
+
+DEGENERATE_SAMPLING = [dict(temperature=0.0), dict(temperature=1e-4),
+                       dict(temperature=1.0, topk=1), dict(temperature=2.0, topp=1e-6)]
 
 
 def _script_step():
@@ -148,25 +211,26 @@ def test_without_eos_decodes_run_to_max_length():
   np.testing.assert_array_equal(tokens[0, 0], [5, EOS, 7, 7])
 
 
-@pytest.mark.parametrize("knobs", [dict(temperature=0.0), dict(temperature=1e-4),
-                                   dict(temperature=1.0, topk=1),
-                                   dict(temperature=2.0, topp=1e-6)])
+@pytest.mark.parametrize("knobs", DEGENERATE_SAMPLING)
 def test_sampling_degenerates_to_greedy(knobs):
   greedy, greedy_scores = _decode(decoding.greedy, batch=5, length=5)
   sampled, scores = _decode(decoding.temperature_sample, batch=5, length=5,
-                            rng=jax.random.key(3), num_decodes=3, **knobs)
+                            seed=3, num_decodes=3, **knobs)
   for k in range(3):
     np.testing.assert_array_equal(sampled[:, k], greedy[:, 0])
     np.testing.assert_allclose(scores[:, k], greedy_scores[:, 0], rtol=1e-6)
 
 
 def test_sampling_with_temperature_is_random_and_reproducible():
-  first, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(1),
-                     num_decodes=16, temperature=1.0)
-  again, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(1),
-                     num_decodes=16, temperature=1.0)
-  other, _ = _decode(decoding.temperature_sample, batch=2, rng=jax.random.key(2),
-                     num_decodes=16, temperature=1.0)
+  # Not shared settings: each call runs the program again, as reproducing needs.
+  assert _setting(decoding.temperature_sample, batch=2, seed=1, num_decodes=16,
+                  temperature=1.0) not in _shared_decodes()
+  first, _ = _decode(decoding.temperature_sample, batch=2, seed=1, num_decodes=16,
+                     temperature=1.0)
+  again, _ = _decode(decoding.temperature_sample, batch=2, seed=1, num_decodes=16,
+                     temperature=1.0)
+  other, _ = _decode(decoding.temperature_sample, batch=2, seed=2, num_decodes=16,
+                     temperature=1.0)
   np.testing.assert_array_equal(first, again)
   assert len({tuple(row) for row in first[0]}) > 3
   assert not np.array_equal(first, other)
@@ -174,14 +238,13 @@ def test_sampling_with_temperature_is_random_and_reproducible():
 
 def _first_step_samples(**knobs):
   """First tokens of 200 samples from example 0's first-step distribution."""
-  tokens, _ = _decode(decoding.temperature_sample, batch=1, length=1, rng=jax.random.key(5),
+  tokens, _ = _decode(decoding.temperature_sample, batch=1, length=1, seed=5,
                       num_decodes=200, temperature=1.0, **knobs)
   return set(tokens[0, :, 0].tolist())
 
 
 def test_topk_and_topp_restrict_samples_to_the_likeliest_tokens():
-  logits = CHAIN_TABLE[0, 0].astype(np.float64)
-  probs = np.exp(logits) / np.sum(np.exp(logits))
+  probs = _first_step_probs()
   order = list(np.argsort(-probs))
   assert _first_step_samples() == set(range(CHAIN_VOCAB))  # unrestricted: all appear
   assert _first_step_samples(topk=2) == set(order[:2])

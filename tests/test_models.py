@@ -607,12 +607,18 @@ def _relpos_setup(network, scan):
 def _greedy_decode(model, params, batch, use_cache=True):
   """Greedy tokens `[batch, 5]` and their log-probability `[batch]` (cached
   unless `use_cache=False`)."""
+  tokens, scores = _greedy_decoder(model, use_cache)(params, batch)
+  return np.asarray(tokens[:, -1]), np.asarray(scores[:, -1])
+
+
+@functools.lru_cache(maxsize=None)
+def _greedy_decoder(model, use_cache):
+  """The jitted decode of `_greedy_decode`, one per model and cache mode, so
+  that the relpos tests decoding the same model compile it once."""
   decoder = _model(model.module, max_decode_length=5,
                    **({} if isinstance(model.module, transformer.EncoderDecoder)
                       else dict(inputs_bidirectional_attention=True)))
-  run = jax.jit(functools.partial(decoder.decode_batch, use_cache=use_cache))
-  tokens, scores = run(params, batch)
-  return np.asarray(tokens[:, -1]), np.asarray(scores[:, -1])
+  return jax.jit(functools.partial(decoder.decode_batch, use_cache=use_cache))
 
 
 def _assert_same_decodes(a, b):

@@ -20,7 +20,9 @@ BATCH, LENGTH, EMBED, EXPERTS, EXPERT_MLP = 3, 12, 8, 4, 16
 
 
 def _inputs(seed=0, shape=(BATCH, LENGTH, EMBED)):
-  return jax.random.normal(jax.random.key(seed), shape)
+  # Drawn by NumPy: jax.random compiles a program for every new shape, which
+  # at XLA's default level costs seconds each; the tests only need values.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
 def _layer(**overrides):
@@ -39,8 +41,14 @@ def _apply(layer, params, x, deterministic=True, rngs=None):
 
 @functools.lru_cache(maxsize=None)
 def _params(**overrides):
+  """The layer's parameters, drawn by NumPy and scaled by fan-in as in `_init`
+  below: running the real init compiles a random program per parameter shape
+  (seconds each); these tests only need weights of the right shapes."""
   layer = _layer(**overrides)
-  return nn.unbox(layer.init(jax.random.key(0), _inputs())["params"])
+  abstract = nn.unbox(jax.eval_shape(lambda: layer.init(jax.random.key(0), _inputs()))["params"])
+  rng = np.random.default_rng(0)
+  return jax.tree.map(
+      lambda x: jnp.asarray(rng.normal(0.0, x.shape[-2] ** -0.5, x.shape), x.dtype), abstract)
 
 
 def _router_to_expert_0(params):

@@ -45,9 +45,24 @@ def hf():
   return api.load(HF_T5, batch_size=2), ref, inputs, targets
 
 
+# The examples the eight-device test scores (padded, like the score test's,
+# to 16 input and 16 target tokens: one compiled score for both).
+SHARDED_INPUTS, SHARDED_TARGETS = ["one two three", "three"], ["two", "four five"]
+
+
 @pytest.fixture(scope="module")
-def tiny():
-  return api.load(TINY, gin_bindings=TINY_BINDINGS, batch_size=4, seed=3)
+def tiny_and_fresh_scores():
+  """The tiny model as loaded (fresh from seed 3), and its scores of the
+  eight-device test's examples, taken now: the train test trains this model
+  (one initialisation compiled for the module, not two); the other tests
+  check what holds for any parameters."""
+  model = api.load(TINY, gin_bindings=TINY_BINDINGS, batch_size=4, seed=3)
+  return model, model.score(SHARDED_INPUTS, SHARDED_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_and_fresh_scores):
+  return tiny_and_fresh_scores[0]
 
 
 def test_a_hugging_face_folder_gives_transformers_logits_and_greedy_decodes(hf):
@@ -73,8 +88,10 @@ def test_score_is_the_summed_log_softmax_of_the_logits_at_the_targets(tiny):
 
 
 def test_a_text_and_its_token_ids_give_the_same_logits(tiny):
-  ids = [*tiny.vocabulary.encode("hello"), tiny.vocabulary.eos_id]
-  by_text, by_ids = tiny.logits(["hello"] * 5, ["world"] * 5), tiny.logits([ids] * 5, ["world"] * 5)
+  # Padded to 16 input and 16 target tokens, as the score test's: its compiled logits serve.
+  ids = [*tiny.vocabulary.encode("hello there"), tiny.vocabulary.eos_id]
+  by_text = tiny.logits(["hello there"] * 5, ["the world"] * 5)
+  by_ids = tiny.logits([ids] * 5, ["the world"] * 5)
   assert len(by_text) == 5  # two batches of 4, the second padded
   for a, b in zip(by_text, by_ids):
     np.testing.assert_array_equal(a, b)
@@ -147,8 +164,9 @@ def test_sampling_is_reproducible_by_seed(hf):
       model.generate(inputs, max_length=8))
 
 
-def test_train_lowers_the_loss_with_t5lites_own_train_step():
-  model = api.load(TINY, gin_bindings=TINY_BINDINGS, batch_size=4, seed=3)
+def test_train_lowers_the_loss_with_t5lites_own_train_step(tiny):
+  model = tiny  # as loaded: the only test that trains it (see tiny_and_fresh_scores)
+  assert model.step == 0
   inputs, targets = ["one two", "three four five"], ["two one", "five four three"]
   before = jax.device_get(model.params)
   losses = model.train(inputs, targets, steps=1)
@@ -225,7 +243,9 @@ def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path, monkeypatch
   run_in_process([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1],
                   "--gin.INITIAL_CHECKPOINT_PATH=None", f"--gin.MODEL_DIR='{model_dir}'",
                   "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
-                  "--gin.INFER_EVAL_DATASET_CFG=None"], str(tmp_path), monkeypatch)
+                  "--gin.INFER_EVAL_DATASET_CFG=None",
+                  # No evaluation while training: what is compared is the checkpoint.
+                  "--gin.EVAL_PERIOD=0"], str(tmp_path), monkeypatch)
   questions = ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
   (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
   run_in_process([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1],
@@ -265,28 +285,29 @@ def test_a_decoder_only_model_scores_its_continuations():
 _SHARDED = """
 import json, sys
 from t5lite import api
-model = api.load("gin/models/t5_tiny.gin", gin_bindings=sys.argv[1:], batch_size=8, seed=3)
+inputs, targets = json.loads(sys.argv[1])
+model = api.load("gin/models/t5_tiny.gin", gin_bindings=sys.argv[2:], batch_size=8, seed=3)
 kernel = model.params["decoder"]["logits_dense"]["kernel"]
 print(json.dumps({"mesh": dict(model.partitioner.mesh.shape),
                   "kernel_devices": len(kernel.sharding.device_set),
                   "kernel_shard": list(kernel.addressable_shards[0].data.shape),
-                  "scores": model.score(["one two", "three"], ["two", "four five"]).tolist()}))
+                  "scores": model.score(inputs, targets).tolist()}))
 """
 
 
 @pytest.mark.slow
-def test_eight_devices_give_the_scores_of_one(tiny):
+def test_eight_devices_give_the_scores_of_one(tiny_and_fresh_scores):
   import subprocess
   import sys
   bindings = [*TINY_BINDINGS, "partitioning.Partitioner.num_partitions = 2"]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  result = subprocess.run([sys.executable, "-c", _SHARDED, *bindings], env=env,
+  examples = json.dumps([SHARDED_INPUTS, SHARDED_TARGETS])
+  result = subprocess.run([sys.executable, "-c", _SHARDED, examples, *bindings], env=env,
                           capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(DATA))
   assert result.returncode == 0, result.stderr[-3000:]
   sharded = json.loads(result.stdout.strip().splitlines()[-1])
   assert sharded["mesh"]["data"] == 4 and sharded["mesh"]["model"] == 2
   assert sharded["kernel_devices"] == 8 and sharded["kernel_shard"] == [8, 192]
-  np.testing.assert_allclose(sharded["scores"], tiny.score(["one two", "three"],
-                                                           ["two", "four five"]), rtol=1e-5)
+  np.testing.assert_allclose(sharded["scores"], tiny_and_fresh_scores[1], rtol=1e-5)

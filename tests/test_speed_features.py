@@ -141,12 +141,14 @@ def cudnn_applies(monkeypatch):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_dot_product_attention_equals_xla_attention(fused_calls, cudnn_applies, scan_layers):
-  _loss_and_grads.cache_clear()  # trace again, under the spy
+  # The uncached function traces again, under the spy; the cache keeps what
+  # other tests compiled (clearing it would have them compile again).
+  trace = _loss_and_grads.__wrapped__
   _params(scan_layers=scan_layers)
   fused_calls.clear()  # the initialisation's own calls
-  want = _loss_and_grads(scan_layers=scan_layers, attention_impl="xla")
+  want = trace(scan_layers=scan_layers, attention_impl="xla")
   assert not fused_calls
-  got = _loss_and_grads(scan_layers=scan_layers, attention_impl="dot_product_attention")
+  got = trace(scan_layers=scan_layers, attention_impl="dot_product_attention")
   # Encoder self, decoder self and cross attention of every layer (a scanned
   # body is traced more than once, so count in thirds).
   assert fused_calls and len(fused_calls) % 3 == 0
