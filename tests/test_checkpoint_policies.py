@@ -13,7 +13,6 @@ from test_dry_run import planned_schedule, train_arguments
 import gin
 from t5lite import checkpoints as ckpt_lib
 from t5lite import dry_run, state_init
-from t5lite import train as train_lib
 
 
 def _read(step_dir):
@@ -114,32 +113,56 @@ def _printed_kept(report):
   return line.split("kept at the end: ")[1] if "kept at the end: " in line else None
 
 
+# The runs of the two slow tests below are module fixtures, in-process as a
+# launch: they train the same tiny model, so they share the module's
+# compilation cache (tests/conftest.py) and compile its programs once.
+
+
+_DRY_RUNS = [  # (bindings, the dry run's "kept at the end", the steps on disk after)
+    # Fresh, everything kept (the dry run names no kept list).
+    (["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINTS_TO_KEEP=None"], None, [1, 2, 3, 4]),
+    # Already at step 4: nothing to train, nothing deleted, keep 1 or not.
+    (["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINTS_TO_KEEP=1"], "1, 2, 3, 4", [1, 2, 3, 4]),
+    # Back to step 2: 3 and 4 move aside before the save at 3, so 1 goes.
+    (["--gin.TRAIN_STEPS=3", "--gin.CHECKPOINTS_TO_KEEP=2",
+      "--gin.train_lib.train.resume_step=2"], "2, 3", [2, 3]),
+    # On to 5 with a keep period: the newest one and the multiples of 2.
+    (["--gin.TRAIN_STEPS=5", "--gin.CHECKPOINTS_TO_KEEP=1",
+      "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=2"], "2, 4, 5", [2, 4, 5]),
+]
+
+
+@pytest.fixture(scope="module")
+def dry_run_then_train(tmp_path_factory):
+  """One model_dir through four real runs, in-process, each planned by the
+  dry run first: for each, (bindings, the dry run's report, the steps on
+  disk after the run)."""
+  model_dir = tmp_path_factory.mktemp("dry_run_then_train")
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.CHECKPOINT_PERIOD=1",
+          "--gin.EVAL_PERIOD=0", "--gin.STATS_PERIOD=1"]
+  done = []
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    for extra, _, _ in _DRY_RUNS:
+      gin.clear_config(clear_constants=True)
+      try:
+        kwargs = train_arguments(base + extra)
+        out = io.StringIO()
+        dry_run.run(out=out, **kwargs)
+      finally:
+        gin.clear_config(clear_constants=True)
+      run_in_process(base + extra, str(model_dir), monkeypatch)
+      done.append((extra, out.getvalue(), _on_disk(model_dir)))
+  return done
+
+
 @pytest.mark.slow
-def test_dry_run_prints_what_training_leaves(tmp_path, clean_gin):
+def test_dry_run_prints_what_training_leaves(dry_run_then_train):
   """One model_dir through four real runs, in-process, each planned by the
   dry run first."""
-  base = [*TINY, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.CHECKPOINT_PERIOD=1",
-          "--gin.EVAL_PERIOD=0", "--gin.STATS_PERIOD=1"]
-  runs = [  # (bindings, the dry run's "kept at the end", the steps on disk after)
-      # Fresh, everything kept (the dry run names no kept list).
-      (["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINTS_TO_KEEP=None"], None, [1, 2, 3, 4]),
-      # Already at step 4: nothing to train, nothing deleted, keep 1 or not.
-      (["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINTS_TO_KEEP=1"], "1, 2, 3, 4", [1, 2, 3, 4]),
-      # Back to step 2: 3 and 4 move aside before the save at 3, so 1 goes.
-      (["--gin.TRAIN_STEPS=3", "--gin.CHECKPOINTS_TO_KEEP=2",
-        "--gin.train_lib.train.resume_step=2"], "2, 3", [2, 3]),
-      # On to 5 with a keep period: the newest one and the multiples of 2.
-      (["--gin.TRAIN_STEPS=5", "--gin.CHECKPOINTS_TO_KEEP=1",
-        "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=2"], "2, 4, 5", [2, 4, 5]),
-  ]
-  for extra, kept, after in runs:
-    gin.clear_config(clear_constants=True)
-    kwargs = train_arguments(base + extra)
-    out = io.StringIO()
-    dry_run.run(out=out, **kwargs)
-    assert _printed_kept(out.getvalue()) == kept, (extra, out.getvalue())
-    train_lib.train(**kwargs)
-    assert _on_disk(tmp_path) == after, extra
+  assert len(dry_run_then_train) == len(_DRY_RUNS)
+  for (extra, report, on_disk), (_, kept, after) in zip(dry_run_then_train, _DRY_RUNS):
+    assert _printed_kept(report) == kept, (extra, report)
+    assert on_disk == after, extra
 
 
 # ---------------------------------------------------------------------------
@@ -147,40 +170,49 @@ def test_dry_run_prints_what_training_leaves(tmp_path, clean_gin):
 # `make test`)
 
 
-def _check_keep_keep_every_n_dtype_and_resume(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def period_runs(tmp_path_factory):
+  """A 7-step run that saves every step in bfloat16 (keep 2, every 3rd kept),
+  resumed to step 8; and a 9-step run saving at a period of 4 and at step 3:
+  (the first model_dir, the resume's stdout, the second model_dir)."""
+  tmp_path = tmp_path_factory.mktemp("period_runs")
   model_dir = tmp_path / "run"
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=7",
           "--gin.CHECKPOINT_PERIOD=1", "--gin.EVAL_PERIOD=7", "--gin.STATS_PERIOD=1",
           "--gin.CHECKPOINTS_TO_KEEP=2",
           "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3",
           "--gin.checkpoints.SaveCheckpointConfig.dtype='bfloat16'"]
-  run_in_process(args, str(tmp_path), monkeypatch)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    run_in_process(args, str(tmp_path), monkeypatch)
+    kept = sorted(int(s) for s in os.listdir(model_dir / "checkpoints"))
+    state = _read(model_dir / "checkpoints" / "7")
+    # A bfloat16 checkpoint resumes into the float32 run.
+    more = run_in_process([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], str(tmp_path),
+                          monkeypatch)
+    model_dir9 = tmp_path / "run9"
+    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir9}'", "--gin.TRAIN_STEPS=9",
+                    "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
+                    "--gin.CHECKPOINTS_TO_KEEP=2",
+                    "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
+                    "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
+                   str(tmp_path), monkeypatch)
+  return dict(kept=kept, state=state, more=more, model_dir9=model_dir9)
+
+
+@pytest.mark.slow
+def test_period_last_step_extra_steps_keep_and_keep_every_n_then_dtype_and_resume(period_runs):
   # Newest two (6, 7) plus every multiple of 3, kept forever (3, 6).
-  assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 6, 7]
-  state = _read(model_dir / "checkpoints" / "7")
+  assert period_runs["kept"] == [3, 6, 7]
+  state = period_runs["state"]
   kernel = state["params"]["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
   assert kernel.dtype.name == "bfloat16"
   moments = [x for x in __import__("jax").tree.leaves(state["opt_state"])
              if np.ndim(x) > 0 and x.dtype.kind == "f"]
   assert moments and all(x.dtype == np.float32 for x in moments)  # optimizer state stays f32
   # A bfloat16 checkpoint resumes into the float32 run.
-  more = run_in_process([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], str(tmp_path), monkeypatch)
+  more = period_runs["more"]
   assert "Restoring step 7" in more and "step 8/8" in more
-
-
-@pytest.mark.slow
-def test_period_last_step_extra_steps_keep_and_keep_every_n_then_dtype_and_resume(
-    tmp_path, monkeypatch):
-  # One test for both, so that the later runs load the programs the first
-  # compiled from the test's compilation cache.
-  _check_keep_keep_every_n_dtype_and_resume(tmp_path, monkeypatch)
-  model_dir = tmp_path / "run9"
-  run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=9",
-                  "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
-                  "--gin.CHECKPOINTS_TO_KEEP=2",
-                  "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
-                  "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
-                 str(tmp_path), monkeypatch)
+  model_dir = period_runs["model_dir9"]
   # Saved: 3 (checkpoint_steps), 4 and 8 (period), 9 (the last step, off the
   # period). Kept: the newest two (8, 9) and multiples of 3 (3, 9); 4 is pruned.
   assert sorted(int(s) for s in os.listdir(model_dir / "checkpoints")) == [3, 8, 9]

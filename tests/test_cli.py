@@ -33,9 +33,30 @@ def run_cli(args, cwd, script="t5lite-train", timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
-_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-                   "jax_persistent_cache_min_compile_time_secs",
-                   "jax_persistent_cache_enable_xla_caches")
+@contextlib.contextmanager
+def launch_cache(configure=True):
+  """JAX's compilation-cache settings put back after the block, and the cache
+  let go of (the next use opens the directory set then). With `configure`,
+  compiles in the block go through the cache $JAX_COMPILATION_CACHE_DIR
+  names, as a launch's do: the test's own, or in a module fixture the
+  module's (tests/conftest.py); a command run in the block configures it
+  itself."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+  from t5lite import compilation_cache
+  names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_enable_xla_caches")
+  settings = {name: getattr(jax.config, name) for name in names}
+  if configure:
+    compilation_cache.configure(None)
+  try:
+    yield
+  finally:
+    for name, value in settings.items():
+      jax.config.update(name, value)
+    jax_cache.reset_cache()
 
 
 @contextlib.contextmanager
@@ -46,10 +67,7 @@ def _in_process(args, cwd, monkeypatch, script, cache):
   imported from `cwd`, such as a user's task module) is put back after.
   With `cache`, the command uses the cache directory the test's
   launches use ($JAX_COMPILATION_CACHE_DIR, tests/conftest.py), as a launch
-  would, and JAX lets go of it after; without, `--nocompilation_cache`."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache as jax_cache
-  settings = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  would; without, `--nocompilation_cache`."""
   monkeypatch.chdir(cwd)
   monkeypatch.setattr(sys, "path", list(sys.path))  # the command adds cwd to it
   imported = set(sys.modules)
@@ -58,13 +76,11 @@ def _in_process(args, cwd, monkeypatch, script, cache):
                                   *args]))
   gin.clear_config(clear_constants=True)
   try:
-    yield cli.ENTRIES[script]
+    with launch_cache(configure=False):
+      yield cli.ENTRIES[script]
   finally:
     cli.FLAGS.unparse_flags()
     gin.clear_config(clear_constants=True)
-    for name, value in settings.items():
-      jax.config.update(name, value)
-    jax_cache.reset_cache()  # the next use opens the directory set then
     folder = os.path.join(os.path.abspath(cwd), "")
     for name in set(sys.modules) - imported:
       if (getattr(sys.modules[name], "__file__", None) or "").startswith(folder):

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_cli import launch_cache
 
 import gin
 from t5lite import checkpoints, cli, feeder, state_init, testing, tree_paths
@@ -49,11 +50,12 @@ def _train(monkeypatch, model_dir, restore=None, model=None, total_steps=2):
     return state, start
 
   monkeypatch.setattr(state_init, "init_or_restore", recording)
-  step, state = train_lib.train(
-      model=model or testing.tiny_encoder_decoder(), train_dataset_cfg=CFG,
-      checkpoint_cfg=CheckpointConfig(save=SAVE, restore=restore), partitioner=Partitioner(),
-      trainer_cls=Trainer, model_dir=str(model_dir), total_steps=total_steps, eval_period=0,
-      random_seed=0)
+  with launch_cache():
+    step, state = train_lib.train(
+        model=model or testing.tiny_encoder_decoder(), train_dataset_cfg=CFG,
+        checkpoint_cfg=CheckpointConfig(save=SAVE, restore=restore), partitioner=Partitioner(),
+        trainer_cls=Trainer, model_dir=str(model_dir), total_steps=total_steps, eval_period=0,
+        random_seed=0)
   start, init_step, init_params, opt_state = started[-1]
   return dict(step=step, start=start, init_step=init_step[""], init_params=init_params,
               opt_state=opt_state, params=_flat(state.params))
@@ -140,12 +142,22 @@ def test_restarted_finetune_resumes_its_own_checkpoint(pretrained, finetuned, mo
   assert _steps(finetuned["model_dir"]) == [2]
 
 
-def test_assignment_map(pretrained, tmp_path, monkeypatch):
+# The runs below restore into the model of run A, so they are module fixtures:
+# they read the programs A compiled from the module's compilation cache.
+
+
+@pytest.fixture(scope="module")
+def assignment_map_run(pretrained, tmp_path_factory):
   # First full match wins: decoder layer 1 reads A's decoder layer 0, the rest
   # of the decoder keeps its fresh init, everything else reads itself.
   cfg = _finetune_cfg(pretrained, assignment_map=(
       (r"decoder/layers_1/(.*)", r"decoder/layers_0/\1"), (r"decoder/.*", None)))
-  run = _train(monkeypatch, tmp_path / "b", cfg, total_steps=0)  # restore only
+  with pytest.MonkeyPatch.context() as monkeypatch:  # restore only
+    return _train(monkeypatch, tmp_path_factory.mktemp("b"), cfg, total_steps=0)
+
+
+def test_assignment_map(pretrained, assignment_map_run):
+  run = assignment_map_run
   names = list(pretrained["params"])
   layer_1 = [n for n in names if n.startswith("decoder/layers_1/")]
   fresh = [n for n in names if n.startswith("decoder/") and n not in layer_1]
@@ -182,14 +194,23 @@ def test_shape_mismatch_not_strict_keeps_fresh_init(pretrained, tmp_path, monkey
   _assert_equal(run["init_params"], pretrained["params"], rest)
 
 
-def test_missing_params_fail_unless_fallback(pretrained, tmp_path, monkeypatch):
-  cfg = _finetune_cfg(pretrained, assignment_map=((r"encoder/(.*)", r"old_encoder/\1"),))
+_OLD_ENCODER = ((r"encoder/(.*)", r"old_encoder/\1"),)
+
+
+@pytest.fixture(scope="module")
+def fallback_run(pretrained, tmp_path_factory):
+  cfg = _finetune_cfg(pretrained, assignment_map=_OLD_ENCODER, fallback_to_scratch=True)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    return _train(monkeypatch, tmp_path_factory.mktemp("c"), cfg, total_steps=0)
+
+
+def test_missing_params_fail_unless_fallback(pretrained, fallback_run, tmp_path, monkeypatch):
+  cfg = _finetune_cfg(pretrained, assignment_map=_OLD_ENCODER)
   with pytest.raises(ValueError, match=r"encoder/\S+ \(read from old_encoder/\S+\) is missing "
                                        r"from the checkpoint.*\(and \d+ more\)"):
     _train(monkeypatch, tmp_path / "b", cfg, total_steps=0)
   assert _steps(tmp_path / "b") == []
-  cfg = _finetune_cfg(pretrained, assignment_map=cfg.assignment_map, fallback_to_scratch=True)
-  run = _train(monkeypatch, tmp_path / "c", cfg, total_steps=0)
+  run = fallback_run  # the same map with fallback_to_scratch=True
   encoder = [n for n in pretrained["params"] if n.startswith("encoder/")]
   decoder = [n for n in pretrained["params"] if n.startswith("decoder/")]
   _assert_equal(run["init_params"], pretrained["init_params"], encoder)
@@ -232,13 +253,16 @@ def test_finetune_gin_binds_a_params_only_restore(path):
   assert cfg.restore == RestoreCheckpointConfig(path=path, mode="specific", params_only=True)
 
 
-def test_a_restart_builds_its_training_pipeline_once_while_the_state_restores(
-    pretrained, tmp_path, monkeypatch):
-  # A's checkpoint holds no data iterator, so the resumed run fast-forwards the
-  # pipeline to step 4; it must not also build one at step 0 first. It is
-  # built on its own thread, at the batch the restored step continues from.
+@pytest.fixture(scope="module")
+def restarted(pretrained, tmp_path_factory):
+  """A copy of run A's model_dir resumed to step 5, with the datasets it
+  built (and on which thread) and the batches its pipeline skipped."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    return _restart(pretrained, tmp_path_factory.mktemp("restart") / "resumed", monkeypatch)
+
+
+def _restart(pretrained, model_dir, monkeypatch):
   from t5lite.data import datasets
-  model_dir = tmp_path / "resumed"
   shutil.copytree(os.path.dirname(os.path.dirname(pretrained["path"])), model_dir)
   built = []
   original = datasets.get_dataset
@@ -256,7 +280,14 @@ def test_a_restart_builds_its_training_pipeline_once_while_the_state_restores(
 
   monkeypatch.setattr(datasets, "get_dataset", recording)
   monkeypatch.setattr(feeder.TrainData, "_build_at", recording_build_at)
-  run = _train(monkeypatch, model_dir, total_steps=5)
+  return dict(_train(monkeypatch, model_dir, total_steps=5), built=built, skipped=skipped)
+
+
+def test_a_restart_builds_its_training_pipeline_once_while_the_state_restores(restarted):
+  # A's checkpoint holds no data iterator, so the resumed run fast-forwards the
+  # pipeline to step 4; it must not also build one at step 0 first. It is
+  # built on its own thread, at the batch the restored step continues from.
+  run, built, skipped = restarted, restarted["built"], restarted["skipped"]
   assert run["start"] == 4 and run["step"] == 5
   assert built == [(CFG.mixture_or_task_name, "t5lite-data-build")] and skipped == [4]
 
