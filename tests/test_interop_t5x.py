@@ -4,6 +4,8 @@ The checkpoints and `reference.npz` under tests/data/t5x/ were written by
 T5X itself (see its README); nothing there was computed by t5lite.
 """
 
+import dataclasses
+import functools
 import json
 import shutil
 
@@ -16,38 +18,61 @@ import pytest
 from t5lite import checkpoints as ckpt_lib
 from t5lite import evaluate, interop
 from t5lite.interop import lazy, t5x
+from t5lite.models import transformer
 from t5lite.partitioning import Partitioner
 
 
 CASES = sorted(h.T5X_CHECKPOINTS)
 
 
-def _import(network, fmt, **overrides):
+def _programs(network, **overrides):
+  # Overrides that restate a default name the same model.
+  defaults = {f.name: f.default for f in dataclasses.fields(transformer.TransformerConfig)}
+  return _cached_programs(network, **{k: v for k, v in overrides.items() if v != defaults[k]})
+
+
+@functools.cache
+def _cached_programs(network, **overrides):
+  """The model of `network` with `overrides`, and its jitted forward pass and
+  greedy decode: one function object per model, so every test and
+  parametrization that runs the same model on the same batch shapes (both
+  checkpoint formats, stacked and per-layer layouts) compiles it once.
+  The forward pass gives the logits, `score_batch` and T5X's
+  `loss_fn_loss` (summed weighted cross-entropy plus z-loss)."""
   model = h.t5x_model(network, **overrides)
+
+  def forward(params, batch):
+    _, sums = model.loss_fn(params, batch, dropout_rng=None)
+    return (model.predict_logits(params, batch), model.score_batch(params, batch),
+            sums["cross_ent_sum"] + sums["z_loss_sum"])
+
+  return model, jax.jit(forward), jax.jit(model.predict_batch_with_aux)
+
+
+def _import(network, fmt, path=None, **overrides):
+  model, forward, decode = _programs(network, **overrides)
   batch = h.t5x_batch(network)
-  params = interop.load_params(h.T5X_CHECKPOINTS[network, fmt], h.abstract_params(model, batch))
-  return model, batch, params
+  params = interop.load_params(path or h.T5X_CHECKPOINTS[network, fmt],
+                               h.abstract_params(model, batch))
+  return model, batch, params, forward, decode
 
 
 @pytest.mark.parametrize("network,fmt", CASES)
 def test_logits_scores_and_loss_match_t5x(network, fmt):
-  model, batch, params = _import(network, fmt)
+  _, batch, params, forward, _ = _import(network, fmt)
   ref = h.t5x_reference(network)
-  logits = np.asarray(model.predict_logits(params, batch))
-  np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(model.score_batch(params, batch)), ref["score_batch"],
-                             rtol=1e-4)
-  _, sums = model.loss_fn(params, batch, dropout_rng=None)
+  logits, scores, loss = forward(params, batch)
+  np.testing.assert_allclose(np.asarray(logits), ref["logits"], rtol=0, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(scores), ref["score_batch"], rtol=1e-4)
   # T5X's loss_fn_loss is the summed weighted cross-entropy plus z-loss.
-  np.testing.assert_allclose(float(sums["cross_ent_sum"] + sums["z_loss_sum"]),
-                             float(ref["loss_fn_loss"]), rtol=1e-4)
+  np.testing.assert_allclose(float(loss), float(ref["loss_fn_loss"]), rtol=1e-4)
 
 
 @pytest.mark.parametrize("network,fmt", CASES)
 def test_greedy_decodes_match_t5x(network, fmt):
-  model, batch, params = _import(network, fmt)
+  _, batch, params, _, decode = _import(network, fmt)
   ref = h.t5x_reference(network)
-  tokens, aux = model.predict_batch_with_aux(params, batch)
+  tokens, aux = decode(params, batch)
   tokens = np.asarray(tokens)
   if network == "a":
     np.testing.assert_array_equal(tokens, ref["greedy_decodes"])
@@ -78,9 +103,9 @@ def test_every_parameter_sum_matches_t5x_state_sums(network, fmt):
 @pytest.mark.parametrize("network", ["a", "c"])
 def test_scanned_model_imports_per_layer_checkpoint(network):
   ref = h.t5x_reference(network)
-  model, batch, params = _import(network, "orbax", scan_layers=True)
+  _, batch, params, forward, _ = _import(network, "orbax", scan_layers=True)
   assert "layers" in params["decoder"] and "layers_0" not in params["decoder"]
-  np.testing.assert_allclose(np.asarray(model.predict_logits(params, batch)), ref["logits"],
+  np.testing.assert_allclose(np.asarray(forward(params, batch)[0]), ref["logits"],
                              rtol=0, atol=1e-4)
 
 
@@ -123,10 +148,8 @@ def _write_stacked_checkpoint(tmp_path, network, relpos_in_layers=False):
 def test_layers_stacked_on_one_axis_import(tmp_path, network, scan):
   path = _write_stacked_checkpoint(tmp_path, network)
   assert any("/layers/" in n for n in t5x.T5xCheckpoint(path).arrays)
-  model = h.t5x_model(network, scan_layers=scan)
-  batch = h.t5x_batch(network)
-  params = interop.load_params(path, h.abstract_params(model, batch))
-  np.testing.assert_allclose(np.asarray(model.predict_logits(params, batch)),
+  _, batch, params, forward, _ = _import(network, None, path, scan_layers=scan)
+  np.testing.assert_allclose(np.asarray(forward(params, batch)[0]),
                              h.t5x_reference(network)["logits"], rtol=0, atol=1e-4)
 
 
@@ -139,15 +162,13 @@ def test_scalable_t5_layout_with_a_table_in_every_layer_imports(tmp_path, networ
   assert "target/decoder/relpos_bias/rel_embedding" not in names
   fields = interop.describe(path).fields
   assert fields["relpos_per_layer"] is True
-  model = h.t5x_model(network, scan_layers=scan, relpos_per_layer=True)
-  batch = h.t5x_batch(network)
-  params = interop.load_params(path, h.abstract_params(model, batch))
+  _, batch, params, forward, decode = _import(network, None, path, scan_layers=scan,
+                                              relpos_per_layer=True)
   ref = h.t5x_reference(network)
-  np.testing.assert_allclose(np.asarray(model.predict_logits(params, batch)), ref["logits"],
+  np.testing.assert_allclose(np.asarray(forward(params, batch)[0]), ref["logits"],
                              rtol=0, atol=1e-4)
   if network == "a":
-    np.testing.assert_array_equal(np.asarray(model.predict_batch(params, batch)),
-                                  ref["greedy_decodes"])
+    np.testing.assert_array_equal(np.asarray(decode(params, batch)[0]), ref["greedy_decodes"])
 
 
 def test_model_dir_resolves_to_its_newest_step(tmp_path):
@@ -269,10 +290,9 @@ def test_bfloat16_model_is_within_two_bfloat16_steps_of_t5x(network):
   Measured: 0.032 (encoder-decoder) and 0.044 (decoder-only), and scores
   within 0.13 % (tolerance 0.5 %).
   """
-  model, batch, params = _import(network, "orbax", dtype="bfloat16")
+  _, batch, params, forward, _ = _import(network, "orbax", dtype="bfloat16")
   ref = h.t5x_reference(network)
   step = 2.0 ** (np.floor(np.log2(np.abs(ref["logits"]).max())) - 7)
-  logits = np.asarray(model.predict_logits(params, batch))
-  np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=2 * step)
-  np.testing.assert_allclose(np.asarray(model.score_batch(params, batch)), ref["score_batch"],
-                             rtol=5e-3)
+  logits, scores, _ = forward(params, batch)
+  np.testing.assert_allclose(np.asarray(logits), ref["logits"], rtol=0, atol=2 * step)
+  np.testing.assert_allclose(np.asarray(scores), ref["score_batch"], rtol=5e-3)
