@@ -71,17 +71,20 @@ def _params(model, shapes=None):
 
 
 def _tokens(seed, shape):
-  return jax.random.randint(jax.random.key(seed), shape, 2, VOCAB)
+  # Drawn by NumPy: jax.random compiles a program for every new shape, which
+  # at XLA's default level costs seconds each; the tests only need tokens.
+  return np.random.default_rng(seed).integers(2, VOCAB, shape).astype(np.int32)
 
 
 def _encdec_batch(seed=0, batch=2):
+  # Built in NumPy (eager jax.numpy compiles a program per op and shape).
   targets = _tokens(seed + 1, (batch, DEC_LEN))
-  return {
+  return jax.tree.map(jnp.asarray, {
       "encoder_input_tokens": _tokens(seed, (batch, ENC_LEN)),
-      "decoder_input_tokens": jnp.pad(targets[:, :-1], ((0, 0), (1, 0))),
+      "decoder_input_tokens": np.pad(targets[:, :-1], ((0, 0), (1, 0))),
       "decoder_target_tokens": targets,
-      "decoder_loss_weights": jnp.ones((batch, DEC_LEN), jnp.float32),
-  }
+      "decoder_loss_weights": np.ones((batch, DEC_LEN), np.float32),
+  })
 
 
 @functools.lru_cache(maxsize=None)
@@ -444,10 +447,12 @@ def test_loss_normalizer_options():
 def test_dropout_only_with_rng():
   model, params, _, eval_fn, _ = _loss_setup()
   batch = _weighted_batch()
-  loss_fn = jax.jit(model.loss_fn)
   # 'rbg' keys: dropout masks from threefry take seconds to compile on CPU.
-  keys = [jax.random.key(i, impl="rbg") for i in (1, 1, 2)]
-  dropped = [float(loss_fn(params, batch, key)[0]) for key in keys]
+  # Made inside the jitted loss from an integer seed: made eagerly, each key
+  # runs op by op, a compile per op. Still three separate calls.
+  loss_fn = jax.jit(lambda params, batch, seed: model.loss_fn(
+      params, batch, jax.random.key(seed, impl="rbg")))
+  dropped = [float(loss_fn(params, batch, seed)[0]) for seed in (1, 1, 2)]
   assert dropped[0] == dropped[1]
   assert len({float(eval_fn(params, batch)[0]), dropped[0], dropped[2]}) == 3
 
@@ -510,11 +515,14 @@ def test_training_on_a_copy_task_lowers_the_loss():
   model = _model(transformer.EncoderDecoder(cfg))
   params = _params(model, {"encoder_input_tokens": (16, 6), "decoder_input_tokens": (16, 6)})
   optimizer = optax.adam(3e-3)
-  opt_state = optimizer.init(params)
+  # Jitted: eager, the optimizer's init and the key split compile a program
+  # per op and shape.
+  opt_state = jax.jit(optimizer.init)(params)
+  rngs = jax.jit(lambda: jax.random.split(jax.random.key(0), 600))()
 
   @jax.jit
-  def step(params, opt_state, rng):
-    tokens = jax.random.randint(rng, (16, 6), 2, VOCAB)
+  def step(params, opt_state, rngs, i):
+    tokens = jax.random.randint(rngs[i], (16, 6), 2, VOCAB)
     batch = {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens,
              "decoder_input_tokens": jnp.pad(tokens[:, :-1], ((0, 0), (1, 0))),
              "decoder_loss_weights": jnp.ones((16, 6), jnp.float32)}
@@ -525,8 +533,8 @@ def test_training_on_a_copy_task_lowers_the_loss():
   losses = []
   # Copying needs the decoder to find its position in the encoder output;
   # the loss drops sharply once it does, after roughly 250-450 steps.
-  for rng in jax.random.split(jax.random.key(0), 600):
-    params, opt_state, loss = step(params, opt_state, rng)
+  for i in range(600):
+    params, opt_state, loss = step(params, opt_state, rngs, i)
     losses.append(float(loss))
   assert np.mean(losses[:10]) > 3.0
   assert np.mean(losses[-20:]) < 0.25 * np.mean(losses[:10])
