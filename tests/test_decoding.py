@@ -69,11 +69,13 @@ def _all_chain_decodes(length):
   yield from (list(p) for p in itertools.product(others, repeat=length))
 
 
-@functools.partial(jax.jit, static_argnames=("decode_fn", "batch", "length", "knobs"))
-def _run_chain(rng, *, decode_fn, batch, length, knobs):
+def _chain_decode(rng, *, decode_fn, batch, length, knobs):
   cache, first = _chain_start(batch)
   return decode_fn(_chain_step, cache, first, rng, max_decode_length=length, eos_id=EOS,
                    **dict(knobs))
+
+
+_run_chain = jax.jit(_chain_decode, static_argnames=("decode_fn", "batch", "length", "knobs"))
 
 
 def _setting(decode_fn, batch=3, length=4, seed=0, **knobs):
@@ -119,12 +121,8 @@ def _shared_decodes():
 
   @jax.jit
   def run(rngs):
-    out = []
-    for (decode_fn, batch, length, _, knobs), rng in zip(settings, rngs):
-      cache, first = _chain_start(batch)
-      out.append(decode_fn(_chain_step, cache, first, rng, max_decode_length=length,
-                           eos_id=EOS, **dict(knobs)))
-    return out
+    return [_chain_decode(rng, decode_fn=decode_fn, batch=batch, length=length, knobs=knobs)
+            for (decode_fn, batch, length, _, knobs), rng in zip(settings, rngs)]
 
   results = run([jax.random.key(seed) for _, _, _, seed, _ in settings])
   return {s: (np.asarray(t), np.asarray(c)) for s, (t, c) in zip(settings, results)}
