@@ -85,10 +85,13 @@ def test_run_actions_saves_unless_a_nan_action_fired():
 @pytest.mark.slow
 def test_early_stopping_ends_training_with_a_checkpoint(tmp_path, monkeypatch):
   # A tolerance no change can beat: the third evaluation (step 6) stops the
-  # run of 20 steps, which saves that step and ends without an error.
+  # run of 20 steps, which saves that step (not a scheduled save: the period
+  # is 4) and ends without an error. Depth does not matter here.
   model_dir = str(tmp_path / "run")
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=20",
-          "--gin.EVAL_PERIOD=2", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_STEPS=1",
+          "--gin.EVAL_PERIOD=2", "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_STEPS=1",
+          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+          "--gin.transformer.TransformerConfig.num_decoder_layers=1",
           "--gin.train_lib.train.actions={'TRAIN_EVAL': [@actions.EarlyStopping()]}",
           "--gin.actions.EarlyStopping.task='t5lite_span_corruption'",
           "--gin.actions.EarlyStopping.metric='loss'",

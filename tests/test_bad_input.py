@@ -29,7 +29,10 @@ def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path, monkeyp
   # In this process: what matters is what each run says and leaves on disk
   # (the exit 2 of a user error is checked through the console script below).
   model_dir = tmp_path / "run"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2"]
+  # Neither evaluation nor depth matters to what is checked.
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2", "--gin.EVAL_PERIOD=0",
+          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
   run_in_process(base, str(tmp_path), monkeypatch)
   before = _snapshot(model_dir)
   rerun = run_in_process(base, str(tmp_path), monkeypatch)  # already at the target step: a no-op

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_docs_snippet_reads_params_without_t5lite(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
-  run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"], str(tmp_path),
+  run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+                  "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+                  "--gin.transformer.TransformerConfig.num_decoder_layers=1"], str(tmp_path),
                  monkeypatch)
   doc = open(os.path.join(REPO, "docs", "checkpoints.md")).read()
   snippet = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
