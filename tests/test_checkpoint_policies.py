@@ -115,7 +115,12 @@ def _printed_kept(report):
 
 # The runs of the two slow tests below are module fixtures, in-process as a
 # launch: they train the same tiny model, so they share the module's
-# compilation cache (tests/conftest.py) and compile its programs once.
+# compilation cache (tests/conftest.py) and compile its programs once. What
+# is saved and kept depends neither on depth nor on evaluation: 1+1 layers,
+# no evaluation.
+_SMALL = [*TINY, "--gin.EVAL_PERIOD=0",
+          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
 
 
 _DRY_RUNS = [  # (bindings, the dry run's "kept at the end", the steps on disk after)
@@ -138,8 +143,8 @@ def dry_run_then_train(tmp_path_factory):
   dry run first: for each, (bindings, the dry run's report, the steps on
   disk after the run)."""
   model_dir = tmp_path_factory.mktemp("dry_run_then_train")
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.CHECKPOINT_PERIOD=1",
-          "--gin.EVAL_PERIOD=0", "--gin.STATS_PERIOD=1"]
+  base = [*_SMALL, f"--gin.MODEL_DIR='{model_dir}'", "--gin.CHECKPOINT_PERIOD=1",
+          "--gin.STATS_PERIOD=1"]
   done = []
   with pytest.MonkeyPatch.context() as monkeypatch:
     for extra, _, _ in _DRY_RUNS:
@@ -177,8 +182,8 @@ def period_runs(tmp_path_factory):
   (the first model_dir, the resume's stdout, the second model_dir)."""
   tmp_path = tmp_path_factory.mktemp("period_runs")
   model_dir = tmp_path / "run"
-  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=7",
-          "--gin.CHECKPOINT_PERIOD=1", "--gin.EVAL_PERIOD=7", "--gin.STATS_PERIOD=1",
+  args = [*_SMALL, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=7",
+          "--gin.CHECKPOINT_PERIOD=1", "--gin.STATS_PERIOD=1",
           "--gin.CHECKPOINTS_TO_KEEP=2",
           "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3",
           "--gin.checkpoints.SaveCheckpointConfig.dtype='bfloat16'"]
@@ -187,11 +192,10 @@ def period_runs(tmp_path_factory):
     kept = sorted(int(s) for s in os.listdir(model_dir / "checkpoints"))
     state = _read(model_dir / "checkpoints" / "7")
     # A bfloat16 checkpoint resumes into the float32 run.
-    more = run_in_process([*args[:3], "--gin.TRAIN_STEPS=8", *args[4:]], str(tmp_path),
-                          monkeypatch)
+    more = run_in_process([*args, "--gin.TRAIN_STEPS=8"], str(tmp_path), monkeypatch)
     model_dir9 = tmp_path / "run9"
-    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir9}'", "--gin.TRAIN_STEPS=9",
-                    "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_PERIOD=8", "--gin.STATS_PERIOD=1",
+    run_in_process([*_SMALL, f"--gin.MODEL_DIR='{model_dir9}'", "--gin.TRAIN_STEPS=9",
+                    "--gin.CHECKPOINT_PERIOD=4", "--gin.STATS_PERIOD=1",
                     "--gin.CHECKPOINTS_TO_KEEP=2",
                     "--gin.checkpoints.SaveCheckpointConfig.checkpoint_steps=[3]",
                     "--gin.checkpoints.SaveCheckpointConfig.keep_every_n_steps=3"],
