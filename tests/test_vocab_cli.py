@@ -107,7 +107,10 @@ def test_training_with_the_printed_flags(trained_vocab, tmp_path, monkeypatch):
   (tmp_path / "my_tasks.py").write_text(TASK_MODULE)
   args = [*TINY, *printed_flags(result.stdout), "--gin.MODEL_DIR='run'",
           "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'", "--gin.MIXTURE_OR_TASK_NAME='my_text'",
-          "--gin.TRAIN_STEPS=2"]
+          "--gin.TRAIN_STEPS=2",
+          # Neither evaluation nor depth has to do with the vocabulary.
+          "--gin.EVAL_PERIOD=0", "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
   # The training run in this process: what it writes is what matters here.
   # `run_in_process` takes the module it imports out again after.
   run_in_process(args, str(tmp_path), monkeypatch)
