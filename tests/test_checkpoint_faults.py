@@ -245,13 +245,19 @@ def _no_metadata(step_dir):
   os.remove(os.path.join(step_dir, "state", "_METADATA"))
 
 
+# The damaged-step tests read and damage files whatever the model's depth: a
+# 1+1-layer model compiles less.
+SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
+           "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+
+
 @pytest.fixture(scope="module")
 def eight_steps(tmp_path_factory):
   """MODEL_DIR of a tiny run of 8 steps with every checkpoint kept (2, 4, 6,
   8), trained once for the tests here; they copy it before changing it."""
   model_dir = tmp_path_factory.mktemp("eight_steps") / "run"
   with pytest.MonkeyPatch.context() as patch:
-    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+    run_in_process([*TINY, *SHALLOW, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
                     "--gin.CHECKPOINTS_TO_KEEP=None", "--gin.TRAIN_STEPS=8"],
                    str(model_dir.parent), patch)
   return model_dir
@@ -263,7 +269,7 @@ def test_unreadable_checkpoints_fall_back_keep_files_and_resume_step(
   model_dir = tmp_path / "run"
   shutil.copytree(eight_steps, model_dir)
   ckpts = model_dir / "checkpoints"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+  base = [*TINY, *SHALLOW, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
           "--gin.CHECKPOINTS_TO_KEEP=None"]
   _garbage(ckpts / "8")
   _truncate(ckpts / "6")
@@ -310,7 +316,7 @@ def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(
     tmp_path, eight_steps, monkeypatch):
   model_dir = tmp_path / "run"
   shutil.copytree(eight_steps, model_dir)
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
+  base = [*TINY, *SHALLOW, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
   _garbage(model_dir / "checkpoints" / "8")
   for step in ("6", "4", "2"):
     _no_metadata(model_dir / "checkpoints" / step)
@@ -326,7 +332,7 @@ def test_no_readable_checkpoint_is_exit_2_naming_the_step_and_changes_nothing(
   # (its exit status and console are those of every input error).
   (tmp_path / "in.txt").write_text("hello\n")
   last = user_error_line(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/infer.gin",
-                          "--gin_file=gin/testing/local_tiny.gin",
+                          "--gin_file=gin/testing/local_tiny.gin", *SHALLOW,
                           f"--gin.CHECKPOINT_PATH='{model_dir}'",
                           f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
                           f"--gin.INPUT_FILE='{tmp_path / 'in.txt'}'"],

@@ -30,10 +30,19 @@ def trained_to_step_4(tmp_path_factory):
   return model_dir
 
 
-def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path, monkeypatch):
+# Neither evaluation nor depth is what these tests are about: without them a
+# launch compiles less.
+LIGHT = ["--gin.EVAL_PERIOD=0", "--gin.transformer.TransformerConfig.num_encoder_layers=1",
+         "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+
+
+def test_sigterm_and_ctrl_c_checkpoint_the_current_step_exit_143_and_130_and_resume_loses_nothing(
+    tmp_path, monkeypatch):
+  """SIGTERM, then a resume, then Ctrl-C on another run: one test, so that the
+  launches after the first read the train step from its compilation cache."""
   model_dir = tmp_path / "run"
-  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
-          "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
+  args = [*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
+          "--gin.CHECKPOINT_PERIOD=50000", "--gin.STATS_PERIOD=1"]
   child = Child(args, cwd=str(tmp_path))
   child.wait_for_line("step 3/", timeout=300)  # wait until training is really under way
   child.proc.send_signal(signal.SIGTERM)
@@ -44,17 +53,16 @@ def test_sigterm_checkpoints_the_current_step_and_resume_loses_nothing(tmp_path,
   assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
   # The same command continues from exactly that step.
   target = saved[0] + 2
-  again = run_in_process([*args[:-4], f"--gin.TRAIN_STEPS={target}",
-                          "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000"],
+  again = run_in_process([*args[:-3], f"--gin.TRAIN_STEPS={target}",
+                          "--gin.CHECKPOINT_PERIOD=50000"],
                          str(tmp_path), monkeypatch)
   assert f"Restoring step {saved[0]}" in again
   assert f"steps {saved[0]} -> {target};" in again
 
-
-def test_ctrl_c_checkpoints_the_current_step_and_exits_130(tmp_path):
-  model_dir = tmp_path / "run"
-  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
-          "--gin.CHECKPOINT_PERIOD=50000", "--gin.EVAL_PERIOD=50000", "--gin.STATS_PERIOD=1"]
+  # Ctrl-C checkpoints the current step and exits 130.
+  model_dir = tmp_path / "ctrl_c"
+  args = [*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=100000",
+          "--gin.CHECKPOINT_PERIOD=50000", "--gin.STATS_PERIOD=1"]
   child = Child(args, cwd=str(tmp_path))
   child.wait_for_line("step 3/", timeout=600)  # training is really under way
   child.proc.send_signal(signal.SIGINT)
@@ -88,10 +96,14 @@ def test_second_ctrl_c_exits_at_once(tmp_path):
   assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]  # the shell reports 130
 
 
-def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(
-    tmp_path, trained_to_step_4, monkeypatch):
+def test_divergence_is_not_saved_restart_trains_on_and_half_written_step_is_not_restored(
+    tmp_path, trained_to_step_4, monkeypatch, capfd, caplog):
+  """Both restart from a copy of the run trained to step 4: one test, so that
+  the launches after the first read the train step from its compilation
+  cache. Evaluation is off in the restarts: no assertion reads it."""
   model_dir = tmp_path / "run"
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'"]  # checkpoints and stats every 2 steps
+  # checkpoints and stats every 2 steps
+  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
   shutil.copytree(trained_to_step_4, model_dir)  # a good run to step 4
   # The update of step 5 blows the weights up (|params| ~1e9) with a finite
   # loss; the loss is NaN only at step 8, after step 6 would have been saved.
@@ -108,6 +120,23 @@ def test_divergence_stops_before_it_is_saved_and_a_normal_restart_trains_on(
   assert "Restoring step 4" in again
   losses = scalars(str(model_dir / "train"), "loss")
   assert sorted(losses) == [2, 4, 6, 8] and all(0 < v < 7 for v in losses.values()), losses
+
+  # A half-written checkpoint is never restored. In this process: the
+  # warning is a log record (caplog), what else is printed is in capfd.
+  model_dir = tmp_path / "half_written"
+  shutil.copytree(trained_to_step_4, model_dir)
+  # What a crash in the middle of writing step 8 leaves behind.
+  partial = model_dir / "checkpoints" / "8.orbax-checkpoint-tmp" / "state"
+  partial.mkdir(parents=True)
+  (partial / "garbage").write_bytes(b"\x00" * 100)
+  capfd.readouterr()
+  caplog.clear()
+  # An error (the counterpart of a non-zero exit) propagates.
+  out = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
+                        "--gin.TRAIN_STEPS=6"], str(tmp_path), monkeypatch)
+  stderr = capfd.readouterr().err + caplog.text
+  assert "Ignoring unfinished checkpoint(s) at step(s) [8]" in stderr
+  assert "Restoring step 4" in out and "steps 4 -> 6;" in out
 
 
 def checkpoint_state(step_dir):
@@ -135,20 +164,6 @@ def assert_bitwise_equal(a, b):
 # shipped headline config in one and in two processes:
 # test_multihost.py, test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_
 # two_processes.
-
-
-def test_half_written_checkpoint_is_never_restored(tmp_path, trained_to_step_4):
-  model_dir = tmp_path / "run"
-  shutil.copytree(trained_to_step_4, model_dir)
-  # What a crash in the middle of writing step 8 leaves behind.
-  partial = model_dir / "checkpoints" / "8.orbax-checkpoint-tmp" / "state"
-  partial.mkdir(parents=True)
-  (partial / "garbage").write_bytes(b"\x00" * 100)
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
-                cwd=str(tmp_path))
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "Ignoring unfinished checkpoint(s) at step(s) [8]" in out.stderr
-  assert "Restoring step 4" in out.stdout and "steps 4 -> 6;" in out.stdout
 
 
 # ---------------------------------------------------------------------------
