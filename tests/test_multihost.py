@@ -233,8 +233,9 @@ def _latest_step(model_dir):
 # 1-process checkpoint continues in 2 processes and a 2-process checkpoint in
 # 1, where the uninterrupted run went. Restarts on the count a run was killed
 # on follow the same restore path with a layout that matches; they are run in 1
-# process by test_interruptions.py, test_sigterm_checkpoints_the_current_step_
-# and_resume_loses_nothing (the losses of an uninterrupted run), and in 2 by
+# process by test_interruptions.py, test_sigterm_and_ctrl_c_checkpoint_the_
+# current_step_exit_143_and_130_and_resume_loses_nothing (the losses of an
+# uninterrupted run), and in 2 by
 # test_sigterm_to_one_process_checkpoints_the_
 # same_step_everywhere_then_a_killed_peer_stops_the_survivor (not bitwise).
 @pytest.mark.slow
