@@ -255,49 +255,6 @@ def test_child_drains_stderr_and_fails_instead_of_hanging(tmp_path):
 # process: exit status, stderr, devices set before JAX starts.
 
 
-@pytest.mark.slow
-def test_train_writes_outputs_then_resumes(tmp_path, monkeypatch):
-  model_dir = tmp_path / "run"
-  # A relative MODEL_DIR, as in `make train`.
-  first = run_in_process([*TINY, "--gin.MODEL_DIR='run'"], str(tmp_path), monkeypatch)
-  # Outputs a user opens.
-  config = (model_dir / "config.gin").read_text()
-  assert "train_lib.train" in config and "TRAIN_STEPS = 4" in config
-  info = (model_dir / "model-info.txt").read_text()
-  assert "Total number of parameters" in info and "logical" in info and "partition" in info
-  assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4"]
-  losses = scalars(str(model_dir / "train"), "loss")
-  assert sorted(losses) == [2, 4] and all(v > 0 for v in losses.values())
-  # A CPU has no datasheet peak: model FLOP/s, no MFU.
-  assert "FLOP/s" in first and "MFU" not in first
-  eval_dirs = glob.glob(str(model_dir / "training_eval" / "*"))
-  assert eval_dirs and scalars(eval_dirs[0], "loss")
-  assert "step 4/4" in first
-
-  # Same command with more steps resumes from step 4 instead of starting over.
-  # A peak bound by the user adds MFU to the progress line and the summaries.
-  second = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
-                           "--gin.train_lib.train.peak_flops_per_device=1e6"], str(tmp_path),
-                          monkeypatch)
-  assert "Restoring step 4" in second
-  assert re.search(r"step 6/6 .*FLOP/s  MFU [\d.]+%", second), second
-  mfu, flops = (scalars(str(model_dir / "train"), tag)[6]
-                for tag in ("timing/mfu", "timing/model_flops_per_second"))
-  assert mfu == pytest.approx(flops / 1e6, rel=1e-5)
-  assert "step 6/6" in second and "step 2/" not in second
-  assert "6" in os.listdir(model_dir / "checkpoints")
-
-  # relative_steps trains N more from the restored step; equal total trains nothing.
-  third = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
-                         str(tmp_path), monkeypatch)
-  assert "nothing to train" in third
-  fourth = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
-                           "--gin.train_lib.train.relative_steps=2"], str(tmp_path), monkeypatch)
-  assert "step 8/8" in fourth
-  # CHECKPOINTS_TO_KEEP = 3 (pretrain_dense.gin): step 2 was pruned from disk.
-  assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["4", "6", "8"]
-
-
 def test_bad_periods_write_nothing(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
   line = user_error_line([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=3"],
@@ -340,31 +297,12 @@ trainer.Trainer.compile_train_step = lambda self, *args: BuggyAtStep3(_compile(s
 """
 
 
-@pytest.mark.slow
-def test_a_bug_hours_into_training_shows_its_traceback_and_exits_1(tmp_path):
-  (tmp_path / "bug_at_step_3.py").write_text(_BUG_AT_STEP_3)
-  model_dir = tmp_path / "run"
-  out = run_cli([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
-                 "--gin.MIXTURE_OR_TASK_MODULE='bug_at_step_3'"], cwd=str(tmp_path))
-  assert out.returncode == 1, out.stderr[-3000:]
-  assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
-  assert 'bug_at_step_3.py", line' in out.stderr  # the frame that raised it
-  last = out.stderr.strip().splitlines()[-1]
-  assert last.startswith("t5lite: Unexpected error, a bug in t5lite or a library"), last
-  assert "TypeError: injected at step 3" in last, last
-  # What was saved before the bug stays.
-  assert os.listdir(model_dir / "checkpoints") == ["2"]
-
-
-@pytest.mark.slow
-def test_decoder_only_lm_trains(tmp_path, monkeypatch):
-  model_dir = tmp_path / "lm"
-  run_in_process(["--gin_file=gin/models/decoder_only_tiny.gin",
-                  "--gin_file=gin/runs/pretrain.gin", "--gin_file=gin/testing/local_tiny.gin",
-                  f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='t5lite_lm'",
-                  "--gin.TASK_FEATURE_LENGTHS={'targets': 32}"], str(tmp_path), monkeypatch)
-  assert "DecoderOnlyModel" in (model_dir / "config.gin").read_text()
-  assert sorted(scalars(str(model_dir / "train"), "loss")) == [2, 4]
+# One encoder and one decoder layer, where nothing a test checks depends on
+# depth: the shallower model compiles in about half the time.
+_SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
+            "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+# For launches whose evaluation output no check reads.
+_NO_EVAL = "--gin.EVAL_PERIOD=0"
 
 
 USER_TASKS = """
@@ -378,21 +316,96 @@ testing.register_in_memory_task(
 
 
 @pytest.mark.slow
-def test_user_task_from_user_module(tmp_path, monkeypatch):
+def test_train_writes_outputs_resumes_trains_user_task_and_late_bug_shows_traceback_exits_1(
+    tmp_path, monkeypatch):
+  # Launches of one configuration (model and shapes) in one test, so that they
+  # share its compilation cache: the user's task and the buggy run compile
+  # nothing the first launch did not.
+  tiny = [*TINY, *_SHALLOW]
+  model_dir = tmp_path / "run"
+  # A relative MODEL_DIR, as in `make train`.
+  first = run_in_process([*tiny, "--gin.MODEL_DIR='run'"], str(tmp_path), monkeypatch)
+  # Outputs a user opens.
+  config = (model_dir / "config.gin").read_text()
+  assert "train_lib.train" in config and "TRAIN_STEPS = 4" in config
+  info = (model_dir / "model-info.txt").read_text()
+  assert "Total number of parameters" in info and "logical" in info and "partition" in info
+  assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4"]
+  losses = scalars(str(model_dir / "train"), "loss")
+  assert sorted(losses) == [2, 4] and all(v > 0 for v in losses.values())
+  # A CPU has no datasheet peak: model FLOP/s, no MFU.
+  assert "FLOP/s" in first and "MFU" not in first
+  eval_dirs = glob.glob(str(model_dir / "training_eval" / "*"))
+  assert eval_dirs and scalars(eval_dirs[0], "loss")
+  assert "step 4/4" in first
+
+  # Same command with more steps resumes from step 4 instead of starting over.
+  # A peak bound by the user adds MFU to the progress line and the summaries.
+  second = run_in_process([*tiny, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
+                           "--gin.train_lib.train.peak_flops_per_device=1e6"], str(tmp_path),
+                          monkeypatch)
+  assert "Restoring step 4" in second
+  assert re.search(r"step 6/6 .*FLOP/s  MFU [\d.]+%", second), second
+  mfu, flops = (scalars(str(model_dir / "train"), tag)[6]
+                for tag in ("timing/mfu", "timing/model_flops_per_second"))
+  assert mfu == pytest.approx(flops / 1e6, rel=1e-5)
+  assert "step 6/6" in second and "step 2/" not in second
+  assert "6" in os.listdir(model_dir / "checkpoints")
+
+  # relative_steps trains N more from the restored step; equal total trains nothing.
+  third = run_in_process([*tiny, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                         str(tmp_path), monkeypatch)
+  assert "nothing to train" in third
+  fourth = run_in_process([*tiny, f"--gin.MODEL_DIR='{model_dir}'",
+                           "--gin.train_lib.train.relative_steps=2"], str(tmp_path), monkeypatch)
+  assert "step 8/8" in fourth
+  # CHECKPOINTS_TO_KEEP = 3 (pretrain_dense.gin): step 2 was pruned from disk.
+  assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["4", "6", "8"]
+
+  # A task from a user's module.
   import seqio
   (tmp_path / "my_tasks.py").write_text(USER_TASKS)
-  model_dir = tmp_path / "user"
+  user_dir = tmp_path / "user"
   # The command imports the module into this process (`run_in_process` takes
   # it out again); the task it registers is removed here.
   try:
-    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'",
+    run_in_process([*tiny, f"--gin.MODEL_DIR='{user_dir}'",
                     "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'",
                     "--gin.MIXTURE_OR_TASK_NAME='my_copy_task'",
                     "--gin.TRAIN_STEPS=2"], str(tmp_path), monkeypatch)
   finally:
     seqio.TaskRegistry.remove("my_copy_task")
-  assert "my_copy_task" in os.listdir(model_dir / "training_eval")
+  assert "my_copy_task" in os.listdir(user_dir / "training_eval")
   assert "my_tasks" not in sys.modules
+
+  # A bug hours into a run (_BUG_AT_STEP_3), in a process of its own: its
+  # exit status and what it prints are the point.
+  (tmp_path / "bug_at_step_3.py").write_text(_BUG_AT_STEP_3)
+  bug_dir = tmp_path / "bug"
+  out = run_cli([*tiny, _NO_EVAL, f"--gin.MODEL_DIR='{bug_dir}'", "--gin.TRAIN_STEPS=6",
+                 "--gin.MIXTURE_OR_TASK_MODULE='bug_at_step_3'"], cwd=str(tmp_path))
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+  assert 'bug_at_step_3.py", line' in out.stderr  # the frame that raised it
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("t5lite: Unexpected error, a bug in t5lite or a library"), last
+  assert "TypeError: injected at step 3" in last, last
+  # What was saved before the bug stays.
+  assert os.listdir(bug_dir / "checkpoints") == ["2"]
+
+
+@pytest.mark.slow
+def test_decoder_only_lm_trains(tmp_path, monkeypatch):
+  # One layer: the checks are about the model class and the steps trained.
+  model_dir = tmp_path / "lm"
+  run_in_process(["--gin_file=gin/models/decoder_only_tiny.gin",
+                  "--gin_file=gin/runs/pretrain.gin", "--gin_file=gin/testing/local_tiny.gin",
+                  f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='t5lite_lm'",
+                  "--gin.TASK_FEATURE_LENGTHS={'targets': 32}", _NO_EVAL,
+                  "--gin.transformer.TransformerConfig.num_decoder_layers=1"],
+                 str(tmp_path), monkeypatch)
+  assert "DecoderOnlyModel" in (model_dir / "config.gin").read_text()
+  assert sorted(scalars(str(model_dir / "train"), "loss")) == [2, 4]
 
 
 @pytest.mark.slow
@@ -401,7 +414,7 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
   env_args = dict(XLA_FLAGS=testing.fake_device_flags(8))
   env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args)
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
-                        "--gin_file=gin/partitioning/fsdp_tp.gin",
+                        "--gin_file=gin/partitioning/fsdp_tp.gin", *_SHALLOW, _NO_EVAL,
                         f"--gin.MODEL_DIR='{model_dir}'"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
@@ -416,15 +429,16 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
 def test_moe_headline_logs_expert_metrics_and_splits_experts_on_eight_devices(tmp_path):
   # The headline MoE config under the expert-parallel preset: one launch
   # (8 fake devices must be set before JAX starts) for what a MoE run logs
-  # and for how the preset splits its experts.
+  # and for how the preset splits its experts. The overlay's two layers per
+  # stack stay: every second layer is an MoE one, so each stack has one.
   model_dir = tmp_path / "ep"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=testing.fake_device_flags(8))
   args = ["--gin_file=gin/pretrain_moe.gin", "--gin_file=gin/testing/local_tiny.gin",
           "--gin_file=gin/partitioning/expert_parallel.gin", f"--gin.MODEL_DIR='{model_dir}'",
           "--gin.NUM_EXPERT_PARTITIONS=4", "--gin.BATCH_SIZE=8"]
-  out = subprocess.run([os.path.join(BIN, "t5lite-train"), *args], cwd=str(tmp_path), env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = subprocess.run([os.path.join(BIN, "t5lite-train"), *args, _NO_EVAL], cwd=str(tmp_path),
+                       env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
   for tag in ("experts/auxiliary_loss", "experts/router_z_loss",
               "experts/fraction_tokens_left_behind", "experts/expert_usage",

@@ -3,7 +3,13 @@
 import os
 
 import pytest
-from test_cli import TINY, run_in_process, scalars, user_error_line
+from test_cli import TINY, launch_cache, run_in_process, scalars, user_error_line
+
+
+# One encoder and one decoder layer for the launches: nothing checked here
+# depends on depth, and the shallower model compiles in about half the time.
+SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
+           "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
 
 
 MIX_MODULE = """
@@ -20,7 +26,8 @@ if "tiny_eval_mix" not in seqio.MixtureRegistry.names():
 def test_train_eval_writes_the_mixture_and_each_task(tmp_path, monkeypatch):
   (tmp_path / "mix_tasks.py").write_text(MIX_MODULE)
   model_dir = str(tmp_path / "run")
-  args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='tiny_eval_mix'",
+  args = [*TINY, *SHALLOW, f"--gin.MODEL_DIR='{model_dir}'",
+          "--gin.MIXTURE_OR_TASK_NAME='tiny_eval_mix'",
           "--gin.MIXTURE_OR_TASK_MODULE='mix_tasks'",
           "--gin.train_lib.train.run_eval_before_training=True", "--gin.TRAIN_STEPS=5"]
   run_in_process(args, str(tmp_path), monkeypatch)
@@ -142,10 +149,10 @@ def test_inference_eval_keeps_input_order_with_a_padded_last_batch(tmp_path):
 INFER_BATCH = "--gin.infer_eval/datasets.DatasetConfig.batch_size=200"
 FINETUNE_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finetune.gin",
                  "--gin_file=gin/testing/local_tiny.gin", "--gin.INITIAL_CHECKPOINT_PATH=None",
-                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH]
+                 "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH, *SHALLOW]
 EVAL_TINY = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/eval.gin",
              "--gin_file=gin/testing/local_tiny.gin",
-             "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH]
+             "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'", INFER_BATCH, *SHALLOW]
 
 
 def test_inference_eval_weighs_each_example_once_not_each_batch(tmp_path):
@@ -191,20 +198,18 @@ def _read(path):
 LEARNER = "--gin_file=gin/learners/adamw_cosine.gin"
 
 
-@pytest.fixture(scope="module")
-def finetuned(tmp_path_factory):
-  """The model_dir of a tiny fine-tuning run that saved and decoded the
-  validation split at steps 2 and 4; the eval and infer tests only read it."""
-  root = tmp_path_factory.mktemp("finetuned")
-  model_dir = str(root / "run")
-  with pytest.MonkeyPatch.context() as patch:
-    run_in_process([*FINETUNE_TINY, LEARNER, f"--gin.MODEL_DIR='{model_dir}'"], str(root), patch)
-  return model_dir
-
-
 @pytest.mark.slow
-def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path, monkeypatch, finetuned):
-  model_dir, eval_dir = finetuned, str(tmp_path / "eval")
+def test_eval_cli_reproduces_training_and_infer_cli_writes_predictions_for_a_file_and_a_task(
+    tmp_path, monkeypatch):
+  # One test, so that the eval and infer commands read the programs the
+  # fine-tuning run compiled (the same model and shapes) from the test's
+  # compilation cache instead of compiling them again.
+  import json
+
+  # Fine-tuning that saved and decoded the validation split at steps 2 and 4.
+  model_dir, eval_dir = str(tmp_path / "run"), str(tmp_path / "eval")
+  run_in_process([*FINETUNE_TINY, LEARNER, f"--gin.MODEL_DIR='{model_dir}'"], str(tmp_path),
+                 monkeypatch)
   trained = os.path.join(model_dir, "inference_eval")
   assert scalars(os.path.join(trained, "t5lite_arithmetic"), "exact_match").keys() == {2, 4}
 
@@ -233,19 +238,14 @@ def test_eval_cli_reproduces_the_inference_eval_of_training(tmp_path, monkeypatc
       "evaluated_steps.json", "t5lite_arithmetic", "t5lite_arithmetic-000002.jsonl",
       "t5lite_arithmetic-metrics.jsonl"]
 
-
-@pytest.mark.slow
-def test_infer_cli_writes_predictions_for_a_file_and_a_task(tmp_path, monkeypatch, finetuned):
-  import json
-
   # The training files' learner, without TRAIN_STEPS: inference reads the
   # parameters only and builds no optimizer. An empty line and one longer
   # than the inputs length (32 tokens) are kept.
   long = "add: " + "1 + " * 20 + "1"
   (tmp_path / "questions.txt").write_text(f"add: 1 + 2\n\nsub: 10 - 3\n{long}\nadd: 7 + 7\n")
   common = ["--gin_file=gin/models/t5_tiny.gin", LEARNER, "--gin_file=gin/testing/local_tiny.gin",
-            "--gin_file=gin/runs/infer.gin", INFER_BATCH, f"--gin.CHECKPOINT_PATH='{finetuned}'",
-            f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'"]
+            "--gin_file=gin/runs/infer.gin", INFER_BATCH, f"--gin.CHECKPOINT_PATH='{model_dir}'",
+            f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'", *SHALLOW]
   out = run_in_process([*common, f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
                        str(tmp_path), monkeypatch, script="t5lite-infer")
   assert out.count("Truncated 1 of 5 inputs to the inputs length of 32 tokens") == 1
@@ -381,7 +381,8 @@ def _train_with_train_eval(model_dir, eval_cfg=None):
   return step
 
 
-def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
+def test_evaluators_are_built_off_the_training_thread_and_one_failing_to_build_stops_the_run(
+    tmp_path, monkeypatch):
   # Their pipelines are built while the first steps compile and run; the
   # evaluation at step 2 then uses them.
   import threading
@@ -394,19 +395,19 @@ def test_evaluators_are_built_off_the_training_thread(tmp_path, monkeypatch):
       built_on.append(threading.current_thread().name)
       super().__init__(**kwargs)
 
-  monkeypatch.setattr(train_eval, "TrainEvaluator", Recording)
-  assert _train_with_train_eval(tmp_path) == 2
-  assert built_on == ["t5lite-evaluators"]
-  assert scalars(os.path.join(tmp_path, "training_eval", "t5lite_span_corruption"), "loss")
-
-
-def test_an_evaluator_that_fails_to_build_stops_the_run_at_its_first_evaluation(
-    tmp_path, monkeypatch):
-  from t5lite import train_eval
-
   def failing(**kwargs):
     raise ValueError("no such split")
 
-  monkeypatch.setattr(train_eval, "TrainEvaluator", failing)
-  with pytest.raises(ValueError, match="no such split"):
-    _train_with_train_eval(tmp_path)
+  # Both runs through the test's compilation cache: the second compiles
+  # nothing the first did not.
+  with launch_cache():
+    monkeypatch.setattr(train_eval, "TrainEvaluator", Recording)
+    assert _train_with_train_eval(tmp_path / "built") == 2
+    assert built_on == ["t5lite-evaluators"]
+    assert scalars(os.path.join(tmp_path, "built", "training_eval", "t5lite_span_corruption"),
+                   "loss")
+
+    # An evaluator that fails to build stops the run at its first evaluation.
+    monkeypatch.setattr(train_eval, "TrainEvaluator", failing)
+    with pytest.raises(ValueError, match="no such split"):
+      _train_with_train_eval(tmp_path / "failing")
