@@ -4,7 +4,7 @@ import math
 import os
 
 import pytest
-from test_cli import TINY, run_in_process, scalars
+from test_cli import SHALLOW, TINY, run_in_process, scalars
 
 from t5lite import actions
 
@@ -90,8 +90,7 @@ def test_early_stopping_ends_training_with_a_checkpoint(tmp_path, monkeypatch):
   model_dir = str(tmp_path / "run")
   args = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=20",
           "--gin.EVAL_PERIOD=2", "--gin.CHECKPOINT_PERIOD=4", "--gin.EVAL_STEPS=1",
-          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-          "--gin.transformer.TransformerConfig.num_decoder_layers=1",
+          *SHALLOW,
           "--gin.train_lib.train.actions={'TRAIN_EVAL': [@actions.EarlyStopping()]}",
           "--gin.actions.EarlyStopping.task='t5lite_span_corruption'",
           "--gin.actions.EarlyStopping.metric='loss'",

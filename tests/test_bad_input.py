@@ -5,7 +5,7 @@ import os
 import subprocess
 
 import pytest
-from test_cli import BIN, TINY, run_cli, run_in_process, user_error_line
+from test_cli import BIN, SHALLOW, TINY, run_cli, run_in_process, user_error_line
 
 from t5lite import testing
 
@@ -31,8 +31,7 @@ def test_checkpoint_of_another_model_shape_names_the_variables(tmp_path, monkeyp
   model_dir = tmp_path / "run"
   # Neither evaluation nor depth matters to what is checked.
   base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2", "--gin.EVAL_PERIOD=0",
-          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+          *SHALLOW]
   run_in_process(base, str(tmp_path), monkeypatch)
   before = _snapshot(model_dir)
   rerun = run_in_process(base, str(tmp_path), monkeypatch)  # already at the target step: a no-op

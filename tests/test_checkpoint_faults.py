@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from test_cli import TINY, cli_env, run_cli, run_in_process, user_error_line
+from test_cli import SHALLOW, TINY, cli_env, run_cli, run_in_process, user_error_line
 
 from t5lite import checkpoints, cli, dry_run, metrics, write_errors
 
@@ -245,12 +245,7 @@ def _no_metadata(step_dir):
   os.remove(os.path.join(step_dir, "state", "_METADATA"))
 
 
-# The damaged-step tests read and damage files whatever the model's depth: a
-# 1+1-layer model compiles less.
-SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
-           "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
-
-
+# The damaged-step tests read and damage files whatever the model's depth.
 @pytest.fixture(scope="module")
 def eight_steps(tmp_path_factory):
   """MODEL_DIR of a tiny run of 8 steps with every checkpoint kept (2, 4, 6,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import REPO, TINY, run_in_process
+from test_cli import REPO, SHALLOW, TINY, run_in_process
 
 
 # End-to-end: a training run and a process of its own (part of `make test`).
@@ -16,9 +16,7 @@ pytestmark = pytest.mark.slow
 def test_docs_snippet_reads_params_without_t5lite(tmp_path, monkeypatch):
   model_dir = tmp_path / "run"
   run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
-                  "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-                  "--gin.transformer.TransformerConfig.num_decoder_layers=1"], str(tmp_path),
-                 monkeypatch)
+                  *SHALLOW], str(tmp_path), monkeypatch)
   doc = open(os.path.join(REPO, "docs", "checkpoints.md")).read()
   snippet = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
   snippet = snippet.replace("/path/to/model_dir", str(model_dir))

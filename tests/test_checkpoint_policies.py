@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from test_cli import TINY, run_in_process
+from test_cli import SHALLOW, TINY, run_in_process
 from test_dry_run import planned_schedule, train_arguments
 
 import gin
@@ -118,9 +118,7 @@ def _printed_kept(report):
 # compilation cache (tests/conftest.py) and compile its programs once. What
 # is saved and kept depends neither on depth nor on evaluation: 1+1 layers,
 # no evaluation.
-_SMALL = [*TINY, "--gin.EVAL_PERIOD=0",
-          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+_SMALL = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0"]
 
 
 _DRY_RUNS = [  # (bindings, the dry run's "kept at the end", the steps on disk after)

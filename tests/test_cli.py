@@ -22,6 +22,11 @@ from t5lite.errors import UserError
 BIN = os.path.dirname(sys.executable)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--gin_file=gin/pretrain_dense.gin", "--gin_file=gin/testing/local_tiny.gin"]
+# One encoder and one decoder layer, for runs where nothing a test checks
+# depends on depth: the shallower model compiles in about half the time.
+SHALLOW_BINDINGS = ["transformer.TransformerConfig.num_encoder_layers = 1",
+                    "transformer.TransformerConfig.num_decoder_layers = 1"]
+SHALLOW = ["--gin." + binding.replace(" ", "") for binding in SHALLOW_BINDINGS]
 
 
 def cli_env():
@@ -297,10 +302,6 @@ trainer.Trainer.compile_train_step = lambda self, *args: BuggyAtStep3(_compile(s
 """
 
 
-# One encoder and one decoder layer, where nothing a test checks depends on
-# depth: the shallower model compiles in about half the time.
-_SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
-            "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
 # For launches whose evaluation output no check reads.
 _NO_EVAL = "--gin.EVAL_PERIOD=0"
 
@@ -321,7 +322,7 @@ def test_train_writes_outputs_resumes_trains_user_task_and_late_bug_shows_traceb
   # Launches of one configuration (model and shapes) in one test, so that they
   # share its compilation cache: the user's task and the buggy run compile
   # nothing the first launch did not.
-  tiny = [*TINY, *_SHALLOW]
+  tiny = [*TINY, *SHALLOW]
   model_dir = tmp_path / "run"
   # A relative MODEL_DIR, as in `make train`.
   first = run_in_process([*tiny, "--gin.MODEL_DIR='run'"], str(tmp_path), monkeypatch)
@@ -414,7 +415,7 @@ def test_partitioning_preset_on_eight_devices(tmp_path):
   env_args = dict(XLA_FLAGS=testing.fake_device_flags(8))
   env = dict(os.environ, JAX_PLATFORMS="cpu", **env_args)
   out = subprocess.run([os.path.join(BIN, "t5lite-train"), *TINY,
-                        "--gin_file=gin/partitioning/fsdp_tp.gin", *_SHALLOW, _NO_EVAL,
+                        "--gin_file=gin/partitioning/fsdp_tp.gin", *SHALLOW, _NO_EVAL,
                         f"--gin.MODEL_DIR='{model_dir}'"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-4000:]
@@ -449,9 +450,9 @@ def test_moe_headline_logs_expert_metrics_and_splits_experts_on_eight_devices(tm
   assert "'expert', 'embed', 'expert_mlp'" in wi
   assert "partition ('expert', None, 'model')" in wi
   # 6 experts cannot split over 4 devices: one line, exit 2, nothing written.
-  bad = subprocess.run([os.path.join(BIN, "t5lite-train"), *args[:-3],
-                        f"--gin.MODEL_DIR='{tmp_path / 'bad'}'", "--gin.NUM_EXPERT_PARTITIONS=4",
-                        "--gin.BATCH_SIZE=8", "--gin.NUM_EXPERTS=6"],
+  # (The later binding of MODEL_DIR wins.)
+  bad = subprocess.run([os.path.join(BIN, "t5lite-train"), *args,
+                        f"--gin.MODEL_DIR='{tmp_path / 'bad'}'", "--gin.NUM_EXPERTS=6"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
   assert bad.returncode == 2
   assert "num_experts=6" in bad.stderr.strip().splitlines()[-1]

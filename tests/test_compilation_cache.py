@@ -7,7 +7,7 @@ import sys
 
 import jax
 import pytest
-from test_cli import TINY, run_cli
+from test_cli import SHALLOW, TINY, run_cli
 
 from t5lite import compilation_cache
 
@@ -113,9 +113,7 @@ def _unprivileged():
 # For launches that only need to run: what a cache reports does not depend on
 # depth or on evaluation. (The launches that count the programs loaded keep
 # TINY, evaluation included, so that every program a run compiles is counted.)
-_SMALLER = [*TINY, "--gin.EVAL_PERIOD=0",
-            "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-            "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+_SMALLER = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cli import BIN, TINY, launch_cache, run_in_process, user_error_line
+from test_cli import BIN, SHALLOW, TINY, launch_cache, run_in_process, user_error_line
 
 import gin
 from t5lite import checkpoints as ckpt_lib
@@ -196,8 +196,7 @@ def test_dry_run_and_run_agree_on_end_step_devices_and_parameters(tmp_path, clea
   lines = []
   monkeypatch.setattr(metrics_lib, "log_line", lambda line, *a, **k: lines.append(line))
   base = [*TINY, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.EVAL_PERIOD=0",
-          "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+          *SHALLOW]
   for extra, want in ((["--gin.TRAIN_STEPS=2"], 2),
                       (["--gin.TRAIN_STEPS=2", "--gin.train_lib.train.relative_steps=1"], 3),
                       (["--gin.TRAIN_STEPS=4", "--gin.train_lib.train.resume_step=2"], 4)):

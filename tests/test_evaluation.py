@@ -3,13 +3,7 @@
 import os
 
 import pytest
-from test_cli import TINY, launch_cache, run_in_process, scalars, user_error_line
-
-
-# One encoder and one decoder layer for the launches: nothing checked here
-# depends on depth, and the shallower model compiles in about half the time.
-SHALLOW = ["--gin.transformer.TransformerConfig.num_encoder_layers=1",
-           "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+from test_cli import SHALLOW, TINY, launch_cache, run_in_process, scalars, user_error_line
 
 
 MIX_MODULE = """

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import seqio
-from test_cli import REPO, TINY, run_in_process, scalars, user_error_line
+from test_cli import REPO, SHALLOW, TINY, run_in_process, scalars, user_error_line
 
 import gin
 from t5lite import cli
@@ -247,8 +247,7 @@ def test_cli_fine_tunes_on_files_and_writes_predictions(tmp_path, monkeypatch):
                   f"--gin.file_tasks.register_file_task.name='{name}'",
                   f"--gin.MODEL_DIR='{model_dir}'",
                   # What the file task feeds and writes does not depend on depth.
-                  "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-                  "--gin.transformer.TransformerConfig.num_decoder_layers=1"], REPO, monkeypatch)
+                  *SHALLOW], REPO, monkeypatch)
   assert sorted(scalars(str(model_dir / "train"), "loss")) == [2, 4]
   assert sorted(scalars(str(model_dir / "training_eval" / name), "loss")) == [2, 4]
   rows = [json.loads(line) for line in

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from test_cli import TINY, Child, run_cli, run_in_process, scalars
+from test_cli import SHALLOW, TINY, Child, run_cli, run_in_process, scalars
 
 
 # End-to-end: real processes and training runs (part of `make test`). What a
@@ -32,8 +32,7 @@ def trained_to_step_4(tmp_path_factory):
 
 # Neither evaluation nor depth is what these tests are about: without them a
 # launch compiles less.
-LIGHT = ["--gin.EVAL_PERIOD=0", "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-         "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+LIGHT = [*SHALLOW, "--gin.EVAL_PERIOD=0"]
 
 
 def test_sigterm_and_ctrl_c_checkpoint_the_current_step_exit_143_and_130_and_resume_loses_nothing(
@@ -53,9 +52,8 @@ def test_sigterm_and_ctrl_c_checkpoint_the_current_step_exit_143_and_130_and_res
   assert len(saved) == 1 and saved[0] >= 3 and saved[0] % 50000
   # The same command continues from exactly that step.
   target = saved[0] + 2
-  again = run_in_process([*args[:-3], f"--gin.TRAIN_STEPS={target}",
-                          "--gin.CHECKPOINT_PERIOD=50000"],
-                         str(tmp_path), monkeypatch)
+  # (The later binding of TRAIN_STEPS wins.)
+  again = run_in_process([*args, f"--gin.TRAIN_STEPS={target}"], str(tmp_path), monkeypatch)
   assert f"Restoring step {saved[0]}" in again
   assert f"steps {saved[0]} -> {target};" in again
 

@@ -443,13 +443,12 @@ def test_adamw_cosine_recipe_is_the_documented_one(clean_gin):
 
 @pytest.mark.slow
 def test_recipe_cli_run_logs_rate_and_skipped_steps(tmp_path, monkeypatch):
-  from test_cli import TINY, run_in_process, scalars
+  from test_cli import SHALLOW, TINY, run_in_process, scalars
   model_dir = tmp_path / "run"
   # No evaluation: it logs under eval/, not train/, and would compile an eval
   # step. What is logged does not depend on depth.
   run_in_process([*TINY, "--gin_file=gin/learners/adastar.gin", f"--gin.MODEL_DIR='{model_dir}'",
-                  "--gin.EVAL_PERIOD=0", "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-                  "--gin.transformer.TransformerConfig.num_decoder_layers=1"],
+                  "--gin.EVAL_PERIOD=0", *SHALLOW],
                  str(tmp_path), monkeypatch)
   logdir = os.path.join(model_dir, "train")
   assert scalars(logdir, "optimizer/skipped_steps") == {2: 0.0, 4: 0.0}

@@ -237,14 +237,11 @@ def test_bad_sources_say_what_is_wrong(source, bindings, message):
 @pytest.mark.slow
 def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path, monkeypatch):
   # The commands run in this process: what they write is what is compared.
-  from test_cli import run_in_process
+  from test_cli import SHALLOW, SHALLOW_BINDINGS, run_in_process
   model_dir = str(tmp_path / "run")
   tiny = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/testing/local_tiny.gin"]
   # One layer a stack: what is compared does not depend on depth.
-  shallow = ["transformer.TransformerConfig.num_encoder_layers = 1",
-             "transformer.TransformerConfig.num_decoder_layers = 1"]
-  shallow_flags = ["--gin." + b.replace(" ", "") for b in shallow]
-  run_in_process([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1], *shallow_flags,
+  run_in_process([tiny[0], "--gin_file=gin/runs/finetune.gin", tiny[1], *SHALLOW,
                   "--gin.INITIAL_CHECKPOINT_PATH=None", f"--gin.MODEL_DIR='{model_dir}'",
                   "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
                   "--gin.INFER_EVAL_DATASET_CFG=None",
@@ -252,7 +249,7 @@ def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path, monkeypatch
                   "--gin.EVAL_PERIOD=0"], str(tmp_path), monkeypatch)
   questions = ["add: 1 + 2", "sub: 10 - 3", "add: 7 + 7"]
   (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
-  run_in_process([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1], *shallow_flags,
+  run_in_process([tiny[0], "--gin_file=gin/runs/infer.gin", tiny[1], *SHALLOW,
                   f"--gin.CHECKPOINT_PATH='{model_dir}'",
                   f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
                   f"--gin.INPUT_FILE='{tmp_path / 'questions.txt'}'"],
@@ -261,7 +258,8 @@ def test_a_t5lite_run_generates_what_t5lite_infer_predicts(tmp_path, monkeypatch
   # The run's own config.gin and newest checkpoint, or the files it was trained with.
   for model in (api.load(model_dir, batch_size=2),
                 api.load(["gin/models/t5_tiny.gin", "gin/testing/local_tiny.gin"],
-                         os.path.join(model_dir, "checkpoints", "4"), gin_bindings=shallow)):
+                         os.path.join(model_dir, "checkpoints", "4"),
+                         gin_bindings=SHALLOW_BINDINGS)):
     assert model.step == 4
     generated = model.generate(questions, max_length=16)  # local_tiny's targets length
     assert [g.text for g in generated] == [r["prediction"] for r in rows]

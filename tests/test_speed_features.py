@@ -367,6 +367,7 @@ def test_prefetch_passes_errors_on_and_refuses_to_overlap():
 @pytest.mark.slow
 def test_the_loop_waits_for_the_device_only_at_stats_periods(tmp_path, monkeypatch):
   from jax._src import array
+  from test_cli import SHALLOW_BINDINGS
 
   import gin
   from t5lite import cli
@@ -376,8 +377,7 @@ def test_the_loop_waits_for_the_device_only_at_stats_periods(tmp_path, monkeypat
                 [f"MODEL_DIR = '{tmp_path}'", "TRAIN_STEPS = 9", "STATS_PERIOD = 3",
                  "EVAL_PERIOD = 0", "CHECKPOINT_PERIOD = 9",
                  # Where the loop waits does not depend on depth.
-                 "transformer.TransformerConfig.num_encoder_layers = 1",
-                 "transformer.TransformerConfig.num_decoder_layers = 1"],
+                 *SHALLOW_BINDINGS],
                 cli.gin_search_paths([]))
   phase, syncs = ["setup"], []
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import seqio
-from test_cli import BIN, TINY, run_in_process
+from test_cli import BIN, SHALLOW, TINY, run_in_process
 
 from t5lite.data import build_corpus
 
@@ -109,8 +109,7 @@ def test_training_with_the_printed_flags(trained_vocab, tmp_path, monkeypatch):
           "--gin.MIXTURE_OR_TASK_MODULE='my_tasks'", "--gin.MIXTURE_OR_TASK_NAME='my_text'",
           "--gin.TRAIN_STEPS=2",
           # Neither evaluation nor depth has to do with the vocabulary.
-          "--gin.EVAL_PERIOD=0", "--gin.transformer.TransformerConfig.num_encoder_layers=1",
-          "--gin.transformer.TransformerConfig.num_decoder_layers=1"]
+          "--gin.EVAL_PERIOD=0", *SHALLOW]
   # The training run in this process: what it writes is what matters here.
   # `run_in_process` takes the module it imports out again after.
   run_in_process(args, str(tmp_path), monkeypatch)
