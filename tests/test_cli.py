@@ -103,6 +103,23 @@ def user_error_line(args, cwd, monkeypatch, script="t5lite-train"):
   return console.one_line(raised.value)
 
 
+def tool_error_line(work, script, args, cwd, monkeypatch):
+  """What a console script that joins no job (t5lite-vocab) prints as its one
+  line before it exits 2, found by parsing ARGS as its flags and calling
+  `work`, its function, in `cwd` in this process. Fails the test if `work`
+  raises no `UserError`. (t5lite-import's flags share names with
+  t5lite-train's, so it cannot be loaded next to them: its tests start it.)"""
+  monkeypatch.chdir(cwd)
+  cli.FLAGS.unparse_flags()
+  cli.FLAGS([script, *args])
+  try:
+    with pytest.raises(UserError) as raised:
+      work()
+  finally:
+    cli.FLAGS.unparse_flags()
+  return f"{script}: {console.one_line(raised.value)}"
+
+
 def run_in_process(args, cwd, monkeypatch, script="t5lite-train"):
   """Runs `script ARGS` in `cwd` in this process and returns what its run
   printed to stdout: for tests that check what a run writes or computes,
