@@ -33,6 +33,12 @@ SAVE = SaveCheckpointConfig(period=2)
 WI = "encoder/layers_0/mlp/wi_0/kernel"
 
 
+def _model(**overrides):
+  """The tiny encoder-decoder with one encoder layer, which compiles faster:
+  no check needs a deeper encoder (the assignment map reads decoder layers)."""
+  return testing.tiny_encoder_decoder(num_encoder_layers=1, **overrides)
+
+
 def _flat(tree):
   return {name: np.asarray(x)
           for name, x in tree_paths.leaves_by_name(jax.device_get(tree)).items()}
@@ -52,7 +58,7 @@ def _train(monkeypatch, model_dir, restore=None, model=None, total_steps=2):
   monkeypatch.setattr(state_init, "init_or_restore", recording)
   with launch_cache():
     step, state = train_lib.train(
-        model=model or testing.tiny_encoder_decoder(), train_dataset_cfg=CFG,
+        model=model or _model(), train_dataset_cfg=CFG,
         checkpoint_cfg=CheckpointConfig(save=SAVE, restore=restore), partitioner=Partitioner(),
         trainer_cls=Trainer, model_dir=str(model_dir), total_steps=total_steps, eval_period=0,
         random_seed=0)
@@ -176,13 +182,13 @@ def test_shape_mismatch_strict_fails_before_writing(pretrained, tmp_path, monkey
   with pytest.raises(ValueError, match=r"mlp/wi_0/kernel is \(8, 16\) in the checkpoint but "
                                        r"\(8, 24\) in the model"):
     _train(monkeypatch, model_dir, _finetune_cfg(pretrained),
-           model=testing.tiny_encoder_decoder(mlp_dim=24))
+           model=_model(mlp_dim=24))
   assert _steps(model_dir) == []
   assert not any(os.path.exists(model_dir / f) for f in ("config.gin", "model-info.txt", "train"))
 
 
 def test_shape_mismatch_not_strict_keeps_fresh_init(pretrained, tmp_path, monkeypatch):
-  model = testing.tiny_encoder_decoder(mlp_dim=24)
+  model = _model(mlp_dim=24)
   cfg = _finetune_cfg(pretrained, strict=False, fallback_to_scratch=True)
   run = _train(monkeypatch, tmp_path / "b", cfg, model=model)
   fresh = _train(monkeypatch, tmp_path / "scratch", None, model=model, total_steps=0)

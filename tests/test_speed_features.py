@@ -40,11 +40,38 @@ def _shapes():
   return {k: (1,) + v.shape[1:] for k, v in _batch().items()}
 
 
+def _init_params(model, rng):
+  return nn.unbox(model.get_initial_variables(rng, _shapes())["params"])
+
+
+def _params(scan_layers=False):
+  return _params_of_layout(bool(scan_layers))  # one cache entry per layout
+
+
 @functools.lru_cache(maxsize=None)
-def _params(**overrides):
-  model = testing.tiny_encoder_decoder(**overrides)
-  init = jax.jit(lambda rng: model.get_initial_variables(rng, _shapes()))
-  return nn.unbox(init(jax.random.key(0))["params"])
+def _params_of_layout(scan_layers):
+  """The tiny model's initial params in either layout. Compiling an
+  initialisation costs several seconds, so the model is initialised once,
+  unscanned; the scanned layout stacks those layers (every comparison runs
+  both sides on the same params, whatever their values)."""
+  if not scan_layers:
+    model = testing.tiny_encoder_decoder()
+    return jax.jit(functools.partial(_init_params, model))(jax.random.key(0))
+  unscanned = _params()
+  params = {}
+  for name, subtree in unscanned.items():
+    depth = sum(k.startswith("layers_") for k in subtree)
+    params[name] = {k: v for k, v in subtree.items() if not k.startswith("layers_")}
+    if depth:
+      params[name]["layers"] = jax.tree.map(
+          lambda *xs: np.stack(xs), *[subtree[f"layers_{i}"] for i in range(depth)])
+  # The tree the scanned model initialises, traced without compiling.
+  want = jax.eval_shape(functools.partial(
+      _init_params, testing.tiny_encoder_decoder(scan_layers=True)), jax.random.key(0))
+  assert jax.tree.structure(params) == jax.tree.structure(want)
+  assert [(x.shape, x.dtype) for x in jax.tree.leaves(params)] == [
+      (x.shape, x.dtype) for x in jax.tree.leaves(want)]
+  return params
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,22 +160,41 @@ def fused_calls(monkeypatch):
   return calls
 
 
-@pytest.fixture
-def cudnn_applies(monkeypatch):
+def _cudnn_applies(monkeypatch):
   """As on a GPU where cuDNN flash attention fits every attention call."""
   monkeypatch.setattr(layers, "fused_attention_backend", lambda *args, **kwargs: "cudnn")
 
 
+@pytest.fixture
+def cudnn_applies(monkeypatch):
+  _cudnn_applies(monkeypatch)
+
+
+def _loss_fn(**overrides):
+  model = testing.tiny_encoder_decoder(**overrides)
+  return lambda p, b: model.loss_fn(p, b, None)[0]
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_dot_product_attention_equals_xla_attention(fused_calls, cudnn_applies, scan_layers):
+def test_dot_product_attention_equals_xla_attention(fused_calls, monkeypatch, scan_layers):
+  params = _params(scan_layers)
+  # Where cuDNN does not apply (this CPU), the default implementation runs
+  # the 'xla' einsums: the same program, so the module's cached loss and
+  # gradients (compiled once, shared with the remat tests) are the 'xla' ones.
+  xla_jaxpr = jax.make_jaxpr(jax.grad(_loss_fn(scan_layers=scan_layers, attention_impl="xla")))
+  default_jaxpr = jax.make_jaxpr(jax.grad(_loss_fn(scan_layers=scan_layers)))
+  assert str(xla_jaxpr(params, _batch())) == str(default_jaxpr(params, _batch()))
+  want = _loss_and_grads(scan_layers=scan_layers)
+  _cudnn_applies(monkeypatch)
+  fused_calls.clear()
+  # Tracing shows what reaches jax.nn.dot_product_attention; no need to compile.
+  jax.eval_shape(jax.value_and_grad(_loss_fn(scan_layers=scan_layers, attention_impl="xla")),
+                 params, _batch())
+  assert not fused_calls
   # The uncached function traces again, under the spy; the cache keeps what
   # other tests compiled (clearing it would have them compile again).
-  trace = _loss_and_grads.__wrapped__
-  _params(scan_layers=scan_layers)
-  fused_calls.clear()  # the initialisation's own calls
-  want = trace(scan_layers=scan_layers, attention_impl="xla")
-  assert not fused_calls
-  got = trace(scan_layers=scan_layers, attention_impl="dot_product_attention")
+  got = _loss_and_grads.__wrapped__(scan_layers=scan_layers,
+                                    attention_impl="dot_product_attention")
   # Encoder self, decoder self and cross attention of every layer (a scanned
   # body is traced more than once, so count in thirds).
   assert fused_calls and len(fused_calls) % 3 == 0
@@ -159,6 +205,16 @@ def test_dot_product_attention_equals_xla_attention(fused_calls, cudnn_applies, 
   assert all(c["mask"].dtype == jnp.bool_ for c in fused_calls)
   # Same float32 math, summed in another order.
   _assert_same(got, want, rtol=1e-5)
+
+
+def _numpy_variables(module, *args, seed=0):
+  """`module`'s variables with values drawn by NumPy, for checks that hold
+  whatever the weights: a Flax init compiles a random program per parameter
+  shape, seconds for a layer."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(module.init, jax.random.key(0), *args)
+  return jax.tree.map(lambda s: np.asarray(rng.normal(size=s.shape) / np.sqrt(s.shape[0]),
+                                           s.dtype), shapes)
 
 
 def test_dot_product_attention_layer_matches_einsums_with_bias_and_mask():
@@ -188,7 +244,7 @@ def test_dot_product_attention_takes_the_einsums_where_cudnn_does_not_apply(fuse
   x = jnp.asarray(rng.normal(size=(2, 6, 16)), dtype)
   mask = jnp.asarray(rng.random((2, 1, 6, 6)) > 0.3)
   bias = jnp.asarray(rng.normal(size=(1, 4, 6, 6)), jnp.float32)
-  variables = attention("xla", True).init(jax.random.key(0), x, x)
+  variables = _numpy_variables(attention("xla", True), x, x)
   fused_calls.clear()
   got = attention("dot_product_attention", False).apply(variables, x, x, mask, bias)
   assert not fused_calls
@@ -203,7 +259,7 @@ def test_attention_dropout_in_training_uses_the_einsums(fused_calls, cudnn_appli
   attention = layers.MultiHeadDotProductAttention(
       num_heads=4, head_dim=3, dropout_rate=0.5, attention_impl="dot_product_attention")
   x = jnp.ones((2, 5, 8))
-  variables = attention.init(jax.random.key(0), x, x)
+  variables = _numpy_variables(attention, x, x)
   fused_calls.clear()
   attention.apply(variables, x, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
   assert not fused_calls  # jax.nn.dot_product_attention has no dropout
@@ -504,6 +560,6 @@ def test_bfloat16_matmuls_accumulate_in_float32_on_the_cpu_only(monkeypatch):
   jaxpr = str(jax.make_jaxpr(lambda a, b: layers.einsum("ik,kj->ij", a, b, jnp.bfloat16))(a, b))
   assert "preferred_element_type=bfloat16" in jaxpr
   dense = layers.DenseGeneral(3, kernel_axes=("embed", "mlp"), dtype=jnp.bfloat16)
-  variables = dense.init(jax.random.key(0), a)
+  variables = jax.eval_shape(dense.init, jax.random.key(0), a)  # a jaxpr needs no values
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert "preferred_element_type=float32" in str(jax.make_jaxpr(dense.apply)(variables, a))
