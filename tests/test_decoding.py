@@ -204,8 +204,10 @@ def test_eos_pads_with_zeros_and_ends_the_loop_when_all_finished():
 
 def test_without_eos_decodes_run_to_max_length():
   step, _ = _script_step()
-  tokens, _ = decoding.greedy(step, _script_cache([[5, EOS, 7, 7]]), jnp.zeros(1, jnp.int32),
-                              max_decode_length=4, eos_id=None)
+  # Jitted: eager, the decoder's set-up compiles a program per op.
+  tokens, _ = jax.jit(lambda cache, first: decoding.greedy(
+      step, cache, first, max_decode_length=4, eos_id=None))(_script_cache([[5, EOS, 7, 7]]),
+                                                              np.zeros(1, np.int32))
   np.testing.assert_array_equal(tokens[0, 0], [5, EOS, 7, 7])
 
 
@@ -373,7 +375,12 @@ def test_bad_knobs_are_named(decode_fn, kwargs, match):
 
 def test_relative_position_bias_of_a_step_equals_the_row_of_the_full_square():
   module = layers.RelativePositionBiases(num_buckets=10, max_distance=20, num_heads=4)
-  variables = jax.jit(module.init, static_argnums=(1, 2))(jax.random.key(0), 9, 9)
+  # A [heads, buckets] table drawn by NumPy: a real init compiles a random
+  # program, and both sides below read the same table.
+  table = np.random.default_rng(0).normal(size=(4, 10)).astype(np.float32)
+  assert jax.eval_shape(lambda: nn.unbox(module.init(jax.random.key(0), 9, 9))) == {
+      "params": {"rel_embedding": jax.ShapeDtypeStruct(table.shape, table.dtype)}}
+  variables = {"params": {"rel_embedding": table}}
   apply = jax.jit(module.apply, static_argnums=(1, 2, 3))
   full = apply(variables, 9, 9, False)  # [1, heads, 9, 9]
   positions = jnp.array([0, 4, 8])
@@ -386,17 +393,21 @@ def test_relative_position_bias_of_a_step_equals_the_row_of_the_full_square():
 
 
 def test_attention_step_without_prefill_or_keys_is_an_error():
+  # Traced by jax.eval_shape, where the checks run: run eagerly, the init
+  # and the projections before the checks compile a program per op.
   module = layers.MultiHeadDotProductAttention(num_heads=4, head_dim=3)
-  x = jnp.ones((2, 1, 8))
-  variables = jax.jit(module.init)(jax.random.key(0), x, x)
-  step = layers.DecodeCache(length=5, position=jnp.zeros(2, jnp.int32))
+  x = jax.ShapeDtypeStruct((2, 1, 8), jnp.float32)
+  variables = jax.eval_shape(module.init, jax.random.key(0), x, x)
+  step = layers.DecodeCache(length=5, position=np.zeros(2, np.int32))
   with pytest.raises(ValueError, match="run a prefill first"):
-    module.apply(variables, x, x, cache=step, mutable=["cache"])
+    jax.eval_shape(lambda v, x: module.apply(v, x, x, cache=step, mutable=["cache"]),
+                   variables, x)
   with pytest.raises(ValueError, match="only in a cached step"):
-    module.apply(variables, x, None)
+    jax.eval_shape(lambda v, x: module.apply(v, x, None), variables, x)
   with pytest.raises(ValueError, match="cannot hold the 3 prefilled"):
-    module.apply(variables, jnp.ones((2, 3, 8)), jnp.ones((2, 3, 8)),
-                 cache=layers.DecodeCache(length=2), mutable=["cache"])
+    three = jax.ShapeDtypeStruct((2, 3, 8), jnp.float32)
+    jax.eval_shape(lambda v, x: module.apply(v, x, x, cache=layers.DecodeCache(length=2),
+                                             mutable=["cache"]), variables, three)
 
 
 # ---------------------------------------------------------------------------
@@ -484,10 +495,20 @@ BEAM3 = functools.partial(decoding.beam_search, num_beams=3, alpha=0.0)
 BEAM1 = functools.partial(decoding.beam_search, num_beams=1, alpha=0.0)
 
 
-def _decodes(model, params, batch, use_cache, num_decodes=None):
-  run = _jit(model, "decode_batch", num_decodes=num_decodes, use_cache=use_cache)
-  tokens, scores = run(params, batch, jax.random.key(7))
-  return np.asarray(tokens), np.asarray(scores)
+@functools.lru_cache(maxsize=None)
+def _cached_and_full_decoder(model, num_decodes):
+  """Jitted decode with and without the cache in ONE program: a compile of
+  the two together costs less than two compiles; each decode in it is the
+  same computation it is alone."""
+  return jax.jit(lambda params, batch, rng: [
+      model.decode_batch(params, batch, rng, num_decodes=num_decodes, use_cache=use_cache)
+      for use_cache in (True, False)])
+
+
+def _cached_and_full_decodes(model, params, batch, num_decodes=None):
+  """((tokens, scores) with the cache, (tokens, scores) without), same key."""
+  both = _cached_and_full_decoder(model, num_decodes)(params, batch, jax.random.key(7))
+  return [(np.asarray(tokens), np.asarray(scores)) for tokens, scores in both]
 
 
 @pytest.mark.parametrize("kind, overrides", [
@@ -502,8 +523,8 @@ def test_cached_sampling_equals_recomputing_the_full_forward_pass(kind, override
   # Sampling visits many different tokens, so every cache position matters;
   # the same key makes both paths draw the same tokens iff logits agree.
   model, params, batch = _model(kind, SAMPLE, max_decode_length=5, **overrides)
-  cached, cached_scores = _decodes(model, params, batch, True, num_decodes=2)
-  full, full_scores = _decodes(model, params, batch, False, num_decodes=2)
+  (cached, cached_scores), (full, full_scores) = _cached_and_full_decodes(model, params, batch,
+                                                                         num_decodes=2)
   assert cached.shape == (3, 2, 5)
   assert len(np.unique(cached)) > 6  # not a degenerate repetition
   np.testing.assert_array_equal(cached, full)
@@ -514,8 +535,7 @@ def test_cached_beam_search_of_scanned_layers_equals_full_forward_pass():
   # Beams reorder the cache, whose scanned leaves are [batch, layers, ...].
   beam = functools.partial(decoding.beam_search, num_beams=3, alpha=0.6)
   model, params, batch = _model("encdec", beam, scan_layers=True)
-  cached, cached_scores = _decodes(model, params, batch, True)
-  full, full_scores = _decodes(model, params, batch, False)
+  (cached, cached_scores), (full, full_scores) = _cached_and_full_decodes(model, params, batch)
   assert cached.shape == (3, 3, 6)
   np.testing.assert_array_equal(cached, full)
   np.testing.assert_allclose(cached_scores, full_scores, rtol=1e-5, atol=1e-5)
@@ -535,7 +555,7 @@ def _manual_greedy(model, params, batch, length, prompt_lengths):
       example = {"decoder_input_tokens": tokens,
                  "decoder_target_tokens": (np.arange(total) <= last)[None].astype(np.int32),
                  "decoder_causal_attention": (np.arange(total) < prompt_length)[None]}
-      token = int(np.argmax(logits_fn(params, example)[0, last]))
+      token = int(np.argmax(np.asarray(logits_fn(params, example))[0, last]))
       out[b, i] = token
       if token == EOS:
         break
@@ -552,16 +572,32 @@ def test_decoder_only_returns_the_continuation_left_aligned():
   np.testing.assert_array_equal(tokens, _manual_greedy(model, params, batch, 4, prompt_lengths))
 
 
+@functools.lru_cache(maxsize=None)
+def _scorer(kind):
+  """Jitted `score_batch` of the plain model of `kind`, with the
+  `token_loss_sums` of each example's teacher-forced logits: the scoring
+  tests share its one compile (the decode knobs do not change scoring), and
+  the per-example sums, made eagerly, would compile a program per op."""
+  model = _model(kind)[0]
+
+  def run(params, batch):
+    logits = model.predict_logits(params, batch)
+    sums = [models.token_loss_sums(logits[b:b + 1], batch["decoder_target_tokens"][b:b + 1],
+                                   batch["decoder_loss_weights"][b:b + 1])
+            for b in range(logits.shape[0])]
+    return model.score_batch(params, batch), sums
+
+  return jax.jit(run)
+
+
 def test_score_batch_is_minus_the_summed_cross_entropy():
   for kind in ("encdec", "prefix"):
-    model, params, batch = _model(kind)
-    scores, logits = jax.jit(lambda p, b, m=model: (m.score_batch(p, b),
-                                                    m.predict_logits(p, b)))(params, batch)
+    _, params, batch = _model(kind)
+    scores, sums = _scorer(kind)(params, batch)
+    scores = np.asarray(scores)
     assert scores.shape == (3,)
     for b in range(3):
-      sums = models.token_loss_sums(logits[b:b + 1], batch["decoder_target_tokens"][b:b + 1],
-                                    batch["decoder_loss_weights"][b:b + 1])
-      np.testing.assert_allclose(scores[b], -sums["cross_ent_sum"], rtol=1e-5)
+      np.testing.assert_allclose(scores[b], -sums[b]["cross_ent_sum"], rtol=1e-5)
     assert np.all(scores < 0)
 
 
@@ -572,14 +608,15 @@ def test_decode_scores_equal_score_batch_of_the_decodes():
   rows = [b for b in range(3)
           if 0 not in tokens[b, :list(tokens[b]).index(EOS) + 1 if EOS in tokens[b] else None]]
   assert rows  # teacher forcing reads an early 0 as padding, so skip such rows
-  weights = np.zeros(tokens.shape, np.float32)
+  # Of the batch's dtype, so that scoring it is the program scoring the batch.
+  weights = np.zeros(tokens.shape, batch["decoder_loss_weights"].dtype)
   for b in range(3):
     weights[b, :list(tokens[b]).index(EOS) + 1 if EOS in tokens[b] else None] = 1.0
   decoded = {"encoder_input_tokens": batch["encoder_input_tokens"],
              "decoder_target_tokens": tokens,
              "decoder_input_tokens": np.pad(tokens[:, :-1], ((0, 0), (1, 0))),
              "decoder_loss_weights": weights}
-  scores = _jit(model, "score_batch")(params, decoded)
+  scores, _ = _scorer("encdec")(params, decoded)
   np.testing.assert_allclose(np.asarray(scores)[rows], np.asarray(aux["scores"])[rows],
                              rtol=1e-5)
 
@@ -593,7 +630,7 @@ def test_predict_api_shapes_ordering_and_beam_width():
   greedy_model = _model("encdec")[0]
   greedy_tokens, greedy_aux = _jit(greedy_model, "predict_batch_with_aux")(params, batch)
   assert greedy_tokens.shape == (3, 6) and greedy_aux["scores"].shape == (3,)
-  assert np.all(aux["scores"][:, -1] >= greedy_aux["scores"] - 1e-5)
+  assert np.all(np.asarray(aux["scores"])[:, -1] >= np.asarray(greedy_aux["scores"]) - 1e-5)
 
 
 def test_model_beam_of_one_follows_greedy():
@@ -606,7 +643,8 @@ def test_model_beam_of_one_follows_greedy():
   ended_early = 0
   for row, (got, want) in enumerate(zip(np.asarray(beam), np.asarray(greedy))):
     if np.array_equal(got, want):
-      np.testing.assert_allclose(beam_aux["scores"][row], greedy_aux["scores"][row], rtol=1e-5)
+      np.testing.assert_allclose(np.asarray(beam_aux["scores"])[row],
+                                 np.asarray(greedy_aux["scores"])[row], rtol=1e-5)
       continue
     end = int(np.argmax(got == EOS))
     assert got[end] == EOS and EOS not in want[:end + 1], (got, want)
@@ -648,8 +686,10 @@ def test_gin_configures_the_decoder_of_a_model():
     plain, params, batch = _model("encdec")
     model = gin.get_configurable(models.EncoderDecoderModel)(plain.module, VOCAB, VOCAB,
                                                              optax.sgd(0.1))
-    tokens, aux = jax.jit(functools.partial(model.predict_batch_with_aux,
-                                            return_all_decodes=True))(params, batch)
+    # Shapes only: tracing runs the configured decoder (beams and length
+    # show in them); compiling it would cost seconds and check no more.
+    tokens, aux = jax.eval_shape(functools.partial(model.predict_batch_with_aux,
+                                                   return_all_decodes=True), params, batch)
   finally:
     gin.clear_config()
   assert tokens.shape == (3, 2, 4) and aux["scores"].shape == (3, 2)
@@ -660,10 +700,10 @@ def test_predict_and_score_under_a_mesh_with_logical_rules():
   partitioner = partitioning.Partitioner(num_partitions=1)
   predict = partitioner.partition(model.predict_batch, None, None)
   every = _jit(model, "predict_batch_with_aux", return_all_decodes=True)(params, batch)[0]
-  np.testing.assert_array_equal(predict(params, batch), every[:, -1])
+  np.testing.assert_array_equal(predict(params, batch), np.asarray(every)[:, -1])
   scorer = _model("encdec")[0]  # scoring ignores the decoder
   score = partitioner.partition(scorer.score_batch, None, None)
-  np.testing.assert_allclose(score(params, batch), _jit(scorer, "score_batch")(params, batch),
+  np.testing.assert_allclose(score(params, batch), _scorer("encdec")(params, batch)[0],
                              rtol=1e-5)
 
 
