@@ -47,38 +47,63 @@ def _batch(ref):
 
 
 @functools.cache
-def _programs(family, **overrides):
-  """The model of `family` with `overrides`, and its jitted forward pass and
-  decode: one function object per model, so the tests that run the same
-  model on the same shapes (the logits and the export round trip) compile it
-  once."""
-  model = _model(huggingface.HuggingFaceFolder(os.path.join(h.HF, family)), **overrides)
-  return model, jax.jit(model.predict_logits), jax.jit(model.predict_batch)
-
-
 def _import(family, **overrides):
+  """The model of `family` with `overrides`, the reference, its batch and the
+  imported parameters (loaded once; immutable, so tests can share them)."""
   folder = huggingface.HuggingFaceFolder(os.path.join(h.HF, family))
-  model = _programs(family, **overrides)[0]
+  model = _model(folder, **overrides)
   ref = _reference(family)
   batch = _batch(ref)
   params = interop.load_params(folder.path, h.abstract_params(model, batch))
   return model, ref, batch, params
 
 
+@functools.cache
+def _t5x_a():
+  """The T5X fixture's model and parameters, run on the byte batch of byt5
+  (byte ids fit the T5X model's vocabulary); loaded once, as `_import`."""
+  model = h.t5x_model("a")
+  batch = _batch(_reference("byt5"))
+  params = interop.load_params(h.T5X_CHECKPOINTS["a", "orbax"], h.abstract_params(model, batch))
+  return model, params, batch
+
+
+SCANNED = ["t5_v1_1", "switch"]
+
+
+@functools.cache
+def _outputs():
+  """Every forward pass and greedy decode the tests check, on the imported
+  parameters: ("logits", family), ("greedy", family), ("scanned", family)
+  and ("logits", "t5x_a"). One jitted program computes them all (each model
+  on its own parameters and batch), as one compiled program costs a fraction
+  of the CPU time of a program per model and pass."""
+  passes = {}
+  for family in FAMILIES:
+    model, ref, batch, params = _import(family)
+    passes["logits", family] = (model.predict_logits, params, batch)
+    length = ref["greedy"].shape[1] - 1  # generate() starts with the decoder start id
+    zeros = np.zeros((len(ref["input_ids"]), length), np.int32)
+    passes["greedy", family] = (model.predict_batch, params, {
+        "encoder_input_tokens": ref["input_ids"], "decoder_input_tokens": zeros,
+        "decoder_target_tokens": zeros})
+  for family in SCANNED:
+    model, _, batch, params = _import(family, scan_layers=True)
+    passes["scanned", family] = (model.predict_logits, params, batch)
+  model, params, batch = _t5x_a()
+  passes["logits", "t5x_a"] = (model.predict_logits, params, batch)
+  run = jax.jit(lambda args: {k: passes[k][0](*a) for k, a in args.items()})
+  out = run({k: (params, batch) for k, (_, params, batch) in passes.items()})
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_decodes_match_transformers(family):
-  model, ref, batch, params = _import(family)
-  _, predict_logits, predict_batch = _programs(family)
+  ref = _reference(family)
   # The batch pads the inputs with id 0, as transformers' attention_mask says.
   np.testing.assert_array_equal(ref["input_ids"] > 0, ref["attention_mask"] > 0)
-  logits = np.asarray(predict_logits(params, batch))
-  np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=1e-4)
-  length = ref["greedy"].shape[1] - 1  # generate() starts with the decoder start id
-  zeros = np.zeros((len(ref["input_ids"]), length), np.int32)
-  decoded = predict_batch(params, {"encoder_input_tokens": ref["input_ids"],
-                                   "decoder_input_tokens": zeros,
-                                   "decoder_target_tokens": zeros})
-  np.testing.assert_array_equal(np.asarray(decoded), ref["greedy"][:, 1:])
+  np.testing.assert_allclose(_outputs()["logits", family], ref["logits"], rtol=0, atol=1e-4)
+  np.testing.assert_array_equal(_outputs()["greedy", family], ref["greedy"][:, 1:])
 
 
 def test_switch_batch_overflows_expert_capacity():
@@ -87,13 +112,11 @@ def test_switch_batch_overflows_expert_capacity():
   assert ref["encoder_dropped"].any() and ref["decoder_dropped"].any()
 
 
-@pytest.mark.parametrize("family", ["t5_v1_1", "switch"])
+@pytest.mark.parametrize("family", SCANNED)
 def test_scanned_model_imports_the_same_logits(family):
-  _, ref, batch, params = _import(family, scan_layers=True)
+  _, ref, _, params = _import(family, scan_layers=True)
   assert "layers" in params["encoder"]
-  predict_logits = _programs(family, scan_layers=True)[1]
-  np.testing.assert_allclose(np.asarray(predict_logits(params, batch)), ref["logits"],
-                             rtol=0, atol=1e-4)
+  np.testing.assert_allclose(_outputs()["scanned", family], ref["logits"], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family,expected", [
@@ -163,28 +186,19 @@ ROUNDTRIP = os.path.join(h.HF, "roundtrip")
 
 
 def _roundtrip_source(name):
-  """t5lite's model, params and the batch transformers ran the export on."""
+  """t5lite's model and params of the export transformers ran."""
   if name == "t5x_a":
-    model = h.t5x_model("a")
-    ref = _reference("byt5")  # byte ids fit the T5X model's vocabulary
-    batch = _batch(ref)
-    params = interop.load_params(h.T5X_CHECKPOINTS["a", "orbax"], h.abstract_params(model, batch))
-    return model, params, batch
-  model, _, batch, params = _import(name)
-  return model, params, batch
-
-
-def _roundtrip_logits(name, params, batch):
-  if name == "t5x_a":
-    return jax.jit(h.t5x_model("a").predict_logits)(params, batch)
-  return _programs(name)[1](params, batch)
+    model, params, _ = _t5x_a()
+    return model, params
+  model, _, _, params = _import(name)
+  return model, params
 
 
 @pytest.mark.parametrize("name", ["t5_v1_0", "t5_v1_1", "switch", "t5x_a"])
 def test_transformers_loads_the_export_and_gives_t5lite_logits(tmp_path, name):
   """tests/data/hf/roundtrip/<name>/ is what the exporter wrote and transformers
   loaded (export_roundtrip.py, then make_reference.py --roundtrip)."""
-  model, params, batch = _roundtrip_source(name)
+  model, params = _roundtrip_source(name)
   # The exporter still writes exactly the arrays transformers was given.
   interop.export_huggingface(params, interop.export_fields(model), str(tmp_path),
                              model.input_vocabulary, source=name)
@@ -195,5 +209,5 @@ def test_transformers_loads_the_export_and_gives_t5lite_logits(tmp_path, name):
     np.testing.assert_array_equal(fresh.array(array).read(), committed.array(array).read())
   with np.load(os.path.join(ROUNDTRIP, name, "roundtrip.npz"), allow_pickle=False) as got:
     transformers_logits = got["logits"]
-  logits = np.asarray(_roundtrip_logits(name, params, batch))
-  np.testing.assert_allclose(transformers_logits, logits, rtol=0, atol=1e-4)
+  # t5lite's logits on the batch transformers ran the export on.
+  np.testing.assert_allclose(transformers_logits, _outputs()["logits", name], rtol=0, atol=1e-4)
