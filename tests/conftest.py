@@ -6,6 +6,7 @@ at the end; before them the tests marked `longest` (the newcomer path of
 `make docs-check`, several minutes alone). Each module stays in one piece
 (its fixtures are set up once)."""
 
+import contextlib
 import gc
 import os
 import shutil
@@ -17,29 +18,48 @@ import gin
 from t5lite import cli
 
 
-# Every JAX program one `pytest` run compiles, in its processes and in the
-# processes its tests start (which inherit the environment), goes through one
-# persistent compilation cache, so a program several tests build is compiled
-# once. The directory is new for each run and removed at its end: nothing
-# cached by an earlier run, or another user, stands in for the code under
-# test. LLVM optimisation is off: it makes the compiled code faster, which
-# the tiny test programs do not need, and costs a third of the suite's CPU
-# time. The HLO and its partitioning are the same; results may differ in the
-# last bits, and every comparison in the suite runs both sides under these
-# flags or compares to a stated tolerance (the T5X parity worker runs at the
-# default level, `tests/test_t5x_training.py`). Set before anything imports
-# JAX; the `pytest-xdist` workers inherit them from the main process.
-if "T5LITE_TEST_XLA_CACHE_OWNER" not in os.environ:
-  os.environ["T5LITE_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="t5lite-test-xla-")
+# Tests compile at XLA's default optimisation level: the programs users get.
+# No test reads a program that another test, or an earlier run, compiled:
+# each test, and each module's shared fixtures, gets a new empty directory in
+# $JAX_COMPILATION_CACHE_DIR, which the processes it starts inherit. The
+# launches of one test share it, as a user's repeated launches share theirs;
+# so do the commands a test runs in this process and the runs it wraps in
+# `launch_cache` (tests/test_cli.py). Nothing else the test processes
+# compile goes through a persistent cache.
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
-                                    "--xla_backend_optimization_level=0"])
 
 
-def pytest_unconfigure(config):
-  if os.environ.get("T5LITE_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+@pytest.fixture(scope="module", autouse=True)
+def module_compilation_cache():
+  """The cache of a module's shared fixtures."""
+  with _new_cache() as directory:
+    yield directory
+
+
+@pytest.fixture(autouse=True)
+def private_compilation_cache(module_compilation_cache, request):
+  """The test's own cache. The documentation's commands (`make docs-check`)
+  compile at level 0: what they check is that each command runs and what
+  it prints, not its numbers, which the tests of `make test` check on the
+  same programs at the default level; level 0 compiles them about three
+  times faster."""
+  with _new_cache() as directory, pytest.MonkeyPatch.context() as patch:
+    if request.node.get_closest_marker("docs"):
+      patch.setenv("XLA_FLAGS", " ".join([*os.environ.get("XLA_FLAGS", "").split(),
+                                          "--xla_backend_optimization_level=0"]))
+    yield directory
+
+
+@contextlib.contextmanager
+def _new_cache():
+  directory = tempfile.mkdtemp(prefix="t5lite-test-xla-")
+  try:
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setenv("JAX_COMPILATION_CACHE_DIR", directory)
+      yield directory
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 # As in t5lite's console scripts (t5lite/cli.py): a larger youngest GC

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def process_env(num_devices: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
   """Environment of one process: CPU only, `num_devices` fake devices; the
-  shared XLA cache comes with the environment (tests/conftest.py)."""
+  test's compilation cache comes with the environment (tests/conftest.py)."""
   return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
               XLA_FLAGS=testing.fake_device_flags(num_devices),
               **(extra or {}))

@@ -84,16 +84,13 @@ def test_import_reads_shards_into_the_training_shardings():
 
 
 @pytest.mark.slow
-def test_two_processes_import_and_decode_like_one(tmp_path, monkeypatch):
+def test_two_processes_import_and_decode_like_one(tmp_path):
   """A T5X checkpoint read by a 2-process FSDP job (each process reading its
-  own shards) decodes exactly what one process decodes."""
+  own shards) decodes exactly what one process decodes (to the last bit of
+  the scores: this holds for the code XLA compiles at its default level, not
+  at level 0)."""
   from multihost import run_two_processes
   from test_cli import run_cli
-
-  # The scores must agree to the last bit on different meshes, which holds
-  # for the code XLA compiles by default, not for the unoptimised code the
-  # rest of the suite uses to compile faster (tests/conftest.py).
-  monkeypatch.setenv("XLA_FLAGS", "")
 
   checkpoint = h.T5X_CHECKPOINTS["a", "orbax"]
   (tmp_path / "inputs.txt").write_text("The cat sat on the mat.\nHello world\nabc\nxyz\n")

@@ -62,8 +62,6 @@ def measurements(tmp_path_factory):
   worker process with XLA's default settings: its imports and start-up are
   paid once, not per case."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_backend_optimization_level"))
   workdir = tmp_path_factory.mktemp("t5x_parity")
   result = subprocess.run([sys.executable, WORKER, str(workdir), *CASES], env=env,
                           capture_output=True, text=True, timeout=1800)
