@@ -14,6 +14,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -97,3 +98,18 @@ def register_in_memory_task(name: str, examples: Sequence[Mapping[str, str]],
       source=seqio.FunctionDataSource(dataset_fn, splits=list(splits)),
       preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
       output_features={k: seqio.Feature(vocab, add_eos=True) for k in examples[0]})
+
+
+def stack_layers(tree: Any) -> Any:
+  """A params tree of unscanned `layers_{i}` subtrees rewritten as the one
+  stacked `layers` subtree of the same model with `scan_layers=True`.
+
+  Stacked with NumPy: an eager `jnp.stack` compiles a program per leaf shape.
+  """
+  if not isinstance(tree, dict):
+    return tree
+  names = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
+  out = {k: stack_layers(v) for k, v in tree.items() if k not in names}
+  if names:
+    out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *[tree[k] for k in names])
+  return out

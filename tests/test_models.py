@@ -11,6 +11,7 @@ import pytest
 import seqio
 
 from t5lite import axis_names as ax
+from t5lite import testing
 from t5lite.models import models, transformer
 
 
@@ -336,24 +337,12 @@ def test_encoder_padding_does_not_affect_outputs():
 # ---------------------------------------------------------------------------
 
 
-def _stack_layers(tree):
-  """Rewrites `layers_{i}` subtrees of a params tree as one stacked `layers`."""
-  if not isinstance(tree, dict):
-    return tree
-  names = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
-  out = {k: _stack_layers(v) for k, v in tree.items() if k not in names}
-  if names:
-    # np.stack: jnp.stack, eager, compiles a program per leaf shape.
-    out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *[tree[k] for k in names])
-  return out
-
-
 @pytest.mark.parametrize("network", ["encdec", "decoder_only"])
 def test_scan_layers_equals_unscanned(network):
   build = _encdec if network == "encdec" else _decoder_only
   _, params, logits_fn = build()
   _, scanned_init, scanned_fn = build(scan_layers=True)
-  stacked = _stack_layers(params)
+  stacked = testing.stack_layers(params)
   assert jax.tree.structure(stacked) == jax.tree.structure(scanned_init)
   assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, scanned_init)
   batch = _encdec_batch(seed=3)

@@ -57,14 +57,7 @@ def _params_of_layout(scan_layers):
   if not scan_layers:
     model = testing.tiny_encoder_decoder()
     return jax.jit(functools.partial(_init_params, model))(jax.random.key(0))
-  unscanned = _params()
-  params = {}
-  for name, subtree in unscanned.items():
-    depth = sum(k.startswith("layers_") for k in subtree)
-    params[name] = {k: v for k, v in subtree.items() if not k.startswith("layers_")}
-    if depth:
-      params[name]["layers"] = jax.tree.map(
-          lambda *xs: np.stack(xs), *[subtree[f"layers_{i}"] for i in range(depth)])
+  params = testing.stack_layers(_params())
   # The tree the scanned model initialises, traced without compiling.
   want = jax.eval_shape(functools.partial(
       _init_params, testing.tiny_encoder_decoder(scan_layers=True)), jax.random.key(0))
