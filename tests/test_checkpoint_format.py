@@ -1,5 +1,6 @@
 """Checkpoints are plain Orbax: readable with orbax alone, as docs/checkpoints.md shows."""
 
+import json
 import os
 import re
 import subprocess
@@ -26,3 +27,53 @@ def test_docs_snippet_reads_params_without_t5lite(tmp_path, monkeypatch):
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["4", "(384,", "8)"]
+
+
+# A replicated array saved from 4 devices, first with Orbax's defaults, then
+# once t5lite is imported; prints [programs compiled by each save, the
+# non-data files each wrote, whether t5lite's save reads back].
+_SAVE_REPLICATED = """
+import json, os, re, sys
+import jax, numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+root = sys.argv[1]
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kwargs: compiles.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+def save(name, shape):
+  x = jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape),
+                     NamedSharding(mesh, P()))
+  before = len(compiles)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(root, name), {"x": x})
+  compiled = len(compiles) - before
+  files = {re.sub(r"/d/[0-9a-f]+$", "/d/<data>", os.path.relpath(os.path.join(d, f), root))
+           for d, _, names in os.walk(os.path.join(root, name)) for f in names}
+  with ocp.StandardCheckpointer() as checkpointer:
+    back = checkpointer.restore(os.path.join(root, name))["x"]
+  return compiled, sorted({f.split("/", 1)[1] for f in files}), bool(np.array_equal(back, x))
+
+default = save("default", (8, 16))
+import t5lite.checkpoints
+print(json.dumps([default, save("t5lite", (8, 24))]))
+"""
+
+
+def test_the_first_replica_writes_each_array_without_compiling_slices(tmp_path):
+  # Orbax's default off GPUs splits a replicated shard across its replicas,
+  # compiling a sliced copy per slice shape and device before a save returns;
+  # t5lite has the first replica write it whole, into the same kinds of files.
+  out = subprocess.run([sys.executable, "-c", _SAVE_REPLICATED, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  default, t5lite = json.loads(out.stdout.strip().splitlines()[-1])
+  assert default[0] >= 3 and t5lite[0] == 0, (default, t5lite)
+  assert t5lite[1] == default[1] and "array_metadatas/process_0" in t5lite[1], (default, t5lite)
+  assert default[2] and t5lite[2]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from multihost import BIN, free_port, run_two_processes, start_job
-from test_cli import TINY
+from test_cli import SHALLOW, TINY
 from test_interruptions import assert_bitwise_equal, checkpoint_state
 
 from t5lite import distributed
@@ -23,8 +23,9 @@ from t5lite import distributed
 
 # Unshuffled, unpacked arithmetic problems (no random preprocessing): the
 # global batch holds the same examples whether 1 or 2 processes read it, so
-# the losses must agree. Only the row order inside a batch differs.
-TRAIN = [*TINY, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
+# the losses must agree. Only the row order inside a batch differs. One layer
+# per stack: nothing a job's processes agree on depends on depth.
+TRAIN = [*TINY, *SHALLOW, "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",
          "--gin.train/datasets.DatasetConfig.shuffle=False",
          "--gin.train/datasets.DatasetConfig.pack=False",
          "--gin.BATCH_SIZE=8", "--gin.STATS_PERIOD=1", "--gin.EVAL_PERIOD=0",
@@ -227,8 +228,10 @@ def _latest_step(model_dir):
 
 
 # The shipped headline configs as they are (their data pipelines, seeds and
-# checkpoint settings, no save_dataset), shrunk by the tiny overlay; evaluation
-# is off because it never touches the training data or state. Each config is
+# checkpoint settings, no save_dataset), shrunk by the tiny overlay, the dense
+# ones to one layer per stack (depth changes nothing a restart restores; the
+# MoE keeps two, so that each stack has its MoE layer); evaluation is off
+# because it never touches the training data or state. Each config is
 # killed in 1 process and in 2, and restarted on the other count each time: a
 # 1-process checkpoint continues in 2 processes and a 2-process checkpoint in
 # 1, where the uninterrupted run went. Restarts on the count a run was killed
@@ -244,7 +247,8 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_pr
     tmp_path, headline):
   common = [f"--gin_file=gin/{headline}.gin", "--gin_file=gin/testing/local_tiny.gin",
             "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
-            "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1"]
+            "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1",
+            *(SHALLOW if headline != "pretrain_moe" else [])]
 
   def args(name):
     return [*common, f"--gin.MODEL_DIR='{tmp_path / name}'"]
