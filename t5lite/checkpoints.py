@@ -62,7 +62,7 @@ _reason = write_errors.reason
 
 def _first_replica_writes_each_array() -> None:
   """Makes the first replica of each array shard write it whole, on every
-  platform, as Orbax already does on GPUs and as T5X does.
+  platform, as Orbax already does on GPUs.
 
   Orbax's default off GPUs (or on one whose JAX_PLATFORMS is unset) splits a
   replicated shard across its replicas, each copying its slice to the host
