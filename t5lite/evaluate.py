@@ -23,11 +23,11 @@ import numpy as np
 import seqio
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import inference, interop, state_init
+from t5lite import inference, interop, paths, state_init
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
-from t5lite.errors import UserError, refuse_url
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
 from t5lite.train_eval import TrainEvaluator
 
@@ -132,7 +132,7 @@ def evaluate(*, model: BaseModel, dataset_cfg: DatasetConfig, partitioner: Parti
     ValueError: no checkpoint, an unknown mode, or an invalid dataset config,
       before anything is written.
   """
-  refuse_url("EVAL_OUTPUT_DIR", output_dir)
+  paths.refuse_url("EVAL_OUTPUT_DIR", output_dir)
   partitioner.validate()
   if dataset_cfg.pack:
     raise UserError("Inference evaluation decodes examples one by one; set "
@@ -186,10 +186,9 @@ def _input_texts(path: str) -> list[str]:
     ValueError: a missing file, a line that is not UTF-8, or a JSONL line
       that is not an object with a string "inputs" (named by line number).
   """
-  if not os.path.isfile(path):
+  if not paths.Path(path).is_file():
     raise UserError(f"Input file '{path}' does not exist.")
-  with open(path, "rb") as f:
-    lines = f.read().split(b"\n")
+  lines = paths.Path(path).read_bytes().split(b"\n")
   if lines[-1] == b"":
     lines.pop()  # the newline that ends the last line starts no new one
   texts = [_decode_line(path, number, line) for number, line in enumerate(lines, 1)]
@@ -298,12 +297,12 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
     raise UserError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
                     f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
                     f"{input_file!r}.")
-  refuse_url("INFER_OUTPUT_DIR", output_dir)
-  refuse_url("INPUT_FILE", input_file)
+  paths.refuse_url("INFER_OUTPUT_DIR", output_dir)
+  paths.check_readable("INPUT_FILE", input_file)
   partitioner.validate()
   partitioner.get_data_layout(batch_size)
   if input_file is not None:
-    sources = [(os.path.splitext(os.path.basename(input_file))[0],
+    sources = [(os.path.splitext(paths.name(input_file))[0],
                 inference.examples_from_texts(_input_texts(input_file), model.input_vocabulary,
                                               task_feature_lengths.get("inputs")))]
   else:
@@ -364,10 +363,10 @@ def export_huggingface(*, model: BaseModel, partitioner: Partitioner,
       this checkpoint; checked before anything is written.
   """
   fields = interop.export_fields(model)  # refuses models with no counterpart first
-  refuse_url("EXPORT_DIR", output_dir)
+  paths.refuse_url("EXPORT_DIR", output_dir)
   opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path or "", "auto")
   directory, step = opened.directory, opened.step
-  source = os.path.abspath(directory)
+  source = paths.absolute(directory)
   interop.check_export_target(output_dir, source, overwrite)
   partitioner.validate()
   _, restore = params_restorer(model, partitioner, {"inputs": 8, "targets": 8}, opened)

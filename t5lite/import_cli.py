@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 from absl import flags, logging
 
-from t5lite import console
-from t5lite.errors import UserError, refuse_url
+from t5lite import console, paths
+from t5lite.errors import UserError
 
 
 FLAGS = flags.FLAGS
@@ -56,10 +56,10 @@ def import_gin() -> str:
   from t5lite import interop
   if not FLAGS.source:
     raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
-  refuse_url("--source", FLAGS.source)
-  refuse_url("--output", FLAGS.output)
-  source = os.path.abspath(FLAGS.source)
-  if not os.path.exists(source):
+  paths.check_readable("--source", FLAGS.source)
+  paths.refuse_url("--output", FLAGS.output)
+  source = paths.absolute(FLAGS.source)
+  if not paths.Path(source).exists():
     raise UserError(f"--source {FLAGS.source} does not exist.")
   if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
     raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")

@@ -26,8 +26,9 @@ from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceLimits
-from t5lite.errors import UserError, refuse_url
+from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
+from t5lite.paths import refuse_url
 from t5lite.periods import Periods, compute_periods
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from t5lite import write_errors
+from t5lite import paths, write_errors
 from t5lite.errors import UserError
 from t5lite.interop import hf_tokenizer, lazy
 
@@ -65,12 +65,12 @@ _IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 def is_huggingface(path: str) -> bool:
   """Whether `path` is a folder with a Hugging Face `config.json`."""
-  return os.path.isfile(os.path.join(path, CONFIG))
+  return paths.Path(paths.join(path, CONFIG)).is_file()
 
 
 def _read_json(file: str) -> dict[str, Any]:
   try:
-    with open(file) as f:
+    with paths.Path(file).open() as f:
       return json.load(f)
   except (OSError, json.JSONDecodeError) as e:
     raise UserError(f"{file} is not readable JSON ({e}).") from None
@@ -87,29 +87,30 @@ class HuggingFaceFolder:
   """
 
   def __init__(self, path: str):
-    self.path = os.path.abspath(path)
-    self.config = _read_json(os.path.join(self.path, CONFIG))
+    self.path = paths.absolute(path)
+    self.config = _read_json(paths.join(self.path, CONFIG))
     self.model_type = self.config.get("model_type")
     if self.model_type not in MODEL_TYPES:
-      raise UserError(f"{os.path.join(self.path, CONFIG)} has model_type "
+      raise UserError(f"{paths.join(self.path, CONFIG)} has model_type "
                       f"{self.model_type!r}; t5lite imports {', '.join(MODEL_TYPES)}.")
     self._handles: dict[str, Any] = {}
+    self._local = paths.LocalCopies()
     self.files = self._weight_files()
 
   def _weight_files(self) -> dict[str, str]:
-    index = os.path.join(self.path, INDEX)
-    if os.path.isfile(index):
+    index = paths.join(self.path, INDEX)
+    if paths.Path(index).is_file():
       weight_map = _read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
         raise UserError(f"{index} has no weight_map.")
-      return {name: os.path.join(self.path, file) for name, file in weight_map.items()}
-    single = os.path.join(self.path, WEIGHTS)
-    if os.path.isfile(single):
+      return {name: paths.join(self.path, file) for name, file in weight_map.items()}
+    single = paths.join(self.path, WEIGHTS)
+    if paths.Path(single).is_file():
       return {name: single for name in self._open(single).keys()}
-    pickles = [p for p in _PICKLES if os.path.exists(os.path.join(self.path, p))]
+    pickles = [p for p in _PICKLES if paths.Path(paths.join(self.path, p)).exists()]
     if pickles:
       raise UserError(
-          f"{os.path.join(self.path, pickles[0])} is a pickle, which t5lite never loads; "
+          f"{paths.join(self.path, pickles[0])} is a pickle, which t5lite never loads; "
           "convert it to safetensors first (in transformers: model.save_pretrained(folder, "
           "safe_serialization=True)).")
     raise UserError(f"{self.path} has no {WEIGHTS} or {INDEX}.")
@@ -117,7 +118,7 @@ class HuggingFaceFolder:
   def _open(self, file: str) -> Any:
     if file not in self._handles:
       try:
-        self._handles[file] = safe_open(file, framework="np")
+        self._handles[file] = safe_open(self._local.file(file), framework="np")
       except Exception as e:  # safetensors raises its own error types.
         raise UserError(f"{file} is not a readable safetensors file ({e}).") from None
     return self._handles[file]
@@ -152,8 +153,8 @@ class HuggingFaceFolder:
 
   def vocabulary(self) -> tuple[str, str | None]:
     """('sentencepiece', path of spiece.model) or ('byte', None)."""
-    spiece = os.path.join(self.path, SPIECE)
-    if os.path.isfile(spiece):
+    spiece = paths.join(self.path, SPIECE)
+    if paths.Path(spiece).is_file():
       return "sentencepiece", spiece
     return "byte", None
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 from typing import Any
 
@@ -37,6 +36,7 @@ import numpy as np
 import tensorstore as ts
 from flax import serialization
 
+from t5lite import paths
 from t5lite.errors import UserError
 from t5lite.interop import gin_file, lazy
 
@@ -59,12 +59,12 @@ class T5xCheckpoint:
   def __init__(self, path: str):
     self.path = find_step_dir(path)
     self.step = int(_STEP_DIR.search(self.path).group(1))
-    if os.path.isfile(os.path.join(self.path, "checkpoint")):
+    if paths.Path(paths.join(self.path, "checkpoint")).is_file():
       self.format = "legacy"
       self.arrays = _legacy_arrays(self.path, "target")
-    elif os.path.isdir(os.path.join(self.path, "state")):
+    elif paths.Path(paths.join(self.path, "state")).is_dir():
       self.format = "orbax"
-      self.arrays = _orbax_arrays(os.path.join(self.path, "state"), "target")
+      self.arrays = _orbax_arrays(paths.join(self.path, "state"), "target")
     else:
       raise UserError(f"{self.path} is neither T5X format: it has no 'checkpoint' msgpack "
                       "file and no Orbax 'state/' directory.")
@@ -75,7 +75,7 @@ class T5xCheckpoint:
     """The optimizer's arrays: `state/step` and `state/param_states/<param>/<slot>`."""
     if self.format == "legacy":
       return _legacy_arrays(self.path, "state")
-    return _orbax_arrays(os.path.join(self.path, "state"), "state")
+    return _orbax_arrays(paths.join(self.path, "state"), "state")
 
 
 def is_t5x(path: str) -> bool:
@@ -98,16 +98,17 @@ def find_step_dir(path: str) -> str:
   Raises:
     ValueError: `path` is neither a T5X step directory nor holds one.
   """
-  path = os.path.abspath(path.rstrip("/"))
-  if _STEP_DIR.search(path) and os.path.isdir(path):
+  path = paths.absolute(path.rstrip("/"))
+  directory = paths.Path(path)
+  if _STEP_DIR.search(path) and directory.is_dir():
     return path
   steps = []
-  if os.path.isdir(path):
-    steps = [(int(m.group(1)), name) for name in os.listdir(path)
-             if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(os.path.join(path, name))]
+  if directory.is_dir():
+    steps = [(int(m.group(1)), child.name) for child in directory.iterdir()
+             if (m := _STEP_DIR.fullmatch(child.name)) and child.is_dir()]
   if not steps:
     raise UserError(f"{path} is not a T5X checkpoint: no checkpoint_<step> directory there.")
-  return os.path.join(path, max(steps)[1])
+  return paths.join(path, max(steps)[1])
 
 
 def _open_zarr(spec: dict[str, Any], origin: str) -> lazy.LazyArray:
@@ -122,12 +123,11 @@ def _open_zarr(spec: dict[str, Any], origin: str) -> lazy.LazyArray:
 def _orbax_arrays(state_dir: str, root: str) -> dict[str, lazy.LazyArray]:
   """The arrays of an Orbax `state/` item under `root` ('target' for the
   parameters, 'state' for the optimizer's), named by their tree paths."""
-  metadata_file = os.path.join(state_dir, "_METADATA")
-  if not os.path.isfile(metadata_file):
+  metadata_file = paths.Path(paths.join(state_dir, "_METADATA"))
+  if not metadata_file.is_file():
     raise UserError(f"{state_dir} has no _METADATA file: an incomplete Orbax checkpoint.")
-  with open(metadata_file) as f:
-    tree = json.load(f).get("tree_metadata", {})
-  ocdbt = os.path.exists(os.path.join(state_dir, "manifest.ocdbt"))
+  tree = json.loads(metadata_file.read_text()).get("tree_metadata", {})
+  ocdbt = paths.Path(paths.join(state_dir, "manifest.ocdbt")).exists()
   arrays = {}
   for key in tree:
     names = [str(k) for k in ast.literal_eval(key)]
@@ -135,9 +135,9 @@ def _orbax_arrays(state_dir: str, root: str) -> dict[str, lazy.LazyArray]:
       continue
     dotted = ".".join(names)
     if ocdbt:
-      kvstore = {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": dotted + "/"}
+      kvstore = {"driver": "ocdbt", "base": paths.kvstore(state_dir), "path": dotted + "/"}
     else:
-      kvstore = {"driver": "file", "path": os.path.join(state_dir, dotted) + "/"}
+      kvstore = paths.kvstore(paths.join(state_dir, dotted))
     arrays["/".join(names)] = _open_zarr({"driver": "zarr", "kvstore": kvstore},
                                          f"{state_dir} array {dotted}")
   return arrays
@@ -146,8 +146,8 @@ def _orbax_arrays(state_dir: str, root: str) -> dict[str, lazy.LazyArray]:
 def _legacy_arrays(step_dir: str, root: str) -> dict[str, lazy.LazyArray]:
   """The arrays of a legacy msgpack + tensorstore checkpoint under
   `optimizer/<root>` ('target' or 'state'), named `<root>/...`."""
-  file = os.path.join(step_dir, "checkpoint")
-  with open(file, "rb") as f:
+  file = paths.join(step_dir, "checkpoint")
+  with paths.Path(file).open("rb") as f:
     try:
       contents = serialization.msgpack_restore(f.read())
     except Exception as e:  # msgpack raises several unrelated types.
@@ -166,8 +166,8 @@ def _legacy_arrays(step_dir: str, root: str) -> dict[str, lazy.LazyArray]:
     if isinstance(node, dict):
       spec = dict(node)
       relative = spec["kvstore"]["path"]
-      spec["kvstore"] = {"driver": "file", "path": os.path.join(step_dir, relative)}
-      arrays[name] = _open_zarr(spec, f"{os.path.join(step_dir, relative.rstrip('/'))}")
+      spec["kvstore"] = paths.kvstore(paths.join(step_dir, relative))
+      arrays[name] = _open_zarr(spec, paths.join(step_dir, relative.rstrip("/")))
     else:
       arrays[name] = lazy.from_numpy(np.asarray(node), f"{file} array {'.'.join(names)}")
 
@@ -252,13 +252,12 @@ def operative_config(step_dir: str) -> tuple[str | None, str]:
   Returns:
     (its path, its text), or (None, '') when there is none.
   """
-  parent = os.path.dirname(step_dir)
+  parent = paths.parent(step_dir)
   # The model_dir, or one level up for step directories kept in a subfolder.
-  for folder in (parent, os.path.dirname(parent)):
-    path = os.path.join(folder, "config.gin")
-    if os.path.isfile(path):
-      with open(path) as f:
-        return path, f.read()
+  for folder in (parent, paths.parent(parent)):
+    path = paths.join(folder, "config.gin")
+    if paths.Path(path).is_file():
+      return path, paths.Path(path).read_text()
   return None, ""
 
 

@@ -1,0 +1,150 @@
+"""Checkpoints and imports read from a gs:// bucket, against a local GCS server.
+
+The server is fake-gcs-server (tests/gcs_emulator.py), started by this module.
+What t5lite reads from a bucket must equal what it reads from the same files
+on disk: T5X checkpoints of both layouts, Hugging Face folders and t5lite's
+own checkpoints, through `t5lite-import`, a fine-tune's
+INITIAL_CHECKPOINT_PATH and the readers under them. A URL of a storage
+t5lite cannot read, or a bucket where t5lite would write, is one line.
+"""
+
+import json
+import os
+
+import gcs_emulator
+import interop_helpers as h
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_cli import TINY, launch_cache, run_cli, run_in_process, user_error_line
+
+from t5lite import checkpoints, compilation_cache, interop, paths
+from t5lite.errors import UserError
+
+
+BYT5 = os.path.join(h.HF, "byt5")
+T5X_RUN = os.path.join(h.DATA, "t5x_train", "encdec_a")
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+  """The emulator, holding the committed foreign checkpoints; its variables
+  are set in this process (and so in the commands tests start)."""
+  server = gcs_emulator.Emulator(str(tmp_path_factory.mktemp("gcs")))
+  saved = {name: os.environ.get(name) for name in server.env}
+  os.environ.update(server.env)
+  try:
+    server.upload(BYT5, "hf/byt5")
+    server.upload(h.T5X_CHECKPOINTS["a", "legacy"], "t5x/legacy/checkpoint_20")
+    server.upload(os.path.join(T5X_RUN, "checkpoint_0"), "t5x/run/checkpoint_0")
+    server.upload(os.path.join(T5X_RUN, "config.gin"), "t5x/run/config.gin")
+    yield server
+  finally:
+    server.close()
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+
+
+def _url(name):
+  return f"gs://{gcs_emulator.BUCKET}/{name}"
+
+
+def _arrays(path):
+  arrays, _ = interop.read_foreign(path)
+  return {name: array.read() for name, array in arrays.items()}
+
+
+@pytest.mark.parametrize("local, name", [
+    (BYT5, "hf/byt5"),
+    (h.T5X_CHECKPOINTS["a", "legacy"], "t5x/legacy/checkpoint_20"),
+    (os.path.join(T5X_RUN, "checkpoint_0"), "t5x/run"),
+], ids=["hugging_face", "t5x_legacy", "t5x_orbax"])
+def test_foreign_checkpoints_read_from_a_bucket_equal_the_files_on_disk(bucket, local, name):
+  assert interop.checkpoint_format(_url(name)) == interop.checkpoint_format(local)
+  assert interop.checkpoint_step(_url(name)) == interop.checkpoint_step(local)
+  remote, on_disk = _arrays(_url(name)), _arrays(local)
+  assert sorted(remote) == sorted(on_disk) and len(remote) > 20
+  for array in on_disk:
+    np.testing.assert_array_equal(remote[array], on_disk[array], err_msg=array)
+
+
+def test_t5lite_checkpoints_restore_from_a_bucket(bucket, tmp_path):
+  """A t5lite checkpoints directory copied to the bucket restores the same
+  parameters, by directory (its newest step) and by step directory."""
+  params = {"dense": {"kernel": jnp.arange(12.0).reshape(3, 4)},
+            "scale": jnp.full((5,), 0.5, jnp.float32)}
+  state = {"params": params, "step": jnp.int32(7)}
+  saver = checkpoints.Checkpointer(str(tmp_path / "run"), checkpoints.SaveCheckpointConfig())
+  for step in (3, 7):
+    saver.save(step, jax.tree.map(lambda x, step=step: x + step, state))
+  saver.close()
+  run = bucket.upload(str(tmp_path / "run"), "own/run")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  for path, mode, step in ((run, "latest", 7), (f"{run}/checkpoints/3", "specific", 3)):
+    restored, found = checkpoints.restore_params(
+        checkpoints.RestoreCheckpointConfig(path=path, mode=mode), abstract)
+    assert found == step
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+      np.testing.assert_array_equal(got, want + step)
+
+
+@pytest.mark.slow
+def test_import_fine_tune_and_infer_from_a_bucket(bucket, tmp_path, monkeypatch):
+  """`t5lite-import` writes the same gin file from the bucket as from the disk
+  (but for the paths it names); a fine-tune starts from the bucket with that
+  gin file read from it, and t5lite-infer reads its inputs from it."""
+  cwd = str(tmp_path)
+  for local, name, step in ((BYT5, "hf/byt5", ""), (T5X_RUN, "t5x/run", "/checkpoint_0")):
+    settings = []
+    for folder in (local, _url(name)):
+      result = run_cli([f"--source={folder}{step}", "--output=model.gin", "--overwrite"], cwd,
+                       script="t5lite-import")
+      assert result.returncode == 0, result.stderr[-3000:]
+      text = (tmp_path / "model.gin").read_text().replace(folder, "FOLDER")
+      settings.append([line for line in text.splitlines() if not line.startswith("#")])
+    assert settings[0] == settings[1] and len(settings[0]) > 10
+  result = run_cli([f"--source={_url('hf/byt5')}", "--output=byt5.gin", "--overwrite"], cwd,
+                   script="t5lite-import")
+  assert result.returncode == 0, result.stderr[-3000:]
+  gin_file = bucket.upload(str(tmp_path / "byt5.gin"), "gin/byt5.gin")
+  stdout = run_in_process(
+      [f"--gin_file={gin_file}", "--gin_file=gin/runs/finetune.gin",
+       f"--gin.INITIAL_CHECKPOINT_PATH='{_url('hf/byt5')}'", "--gin.MODEL_DIR='ft'",
+       "--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'", "--gin.BATCH_SIZE=8",
+       "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}", "--gin.TRAIN_STEPS=1",
+       "--gin.EVAL_PERIOD=0", "--gin.CHECKPOINT_PERIOD=1"], cwd, monkeypatch)
+  assert f"Imported 70 parameters from {_url('hf/byt5')}" in stdout
+  assert os.listdir(tmp_path / "ft" / "checkpoints") == ["1"]
+  # Inference on the fine-tuned step, inputs from the bucket.
+  (tmp_path / "inputs.txt").write_text("3 1 2\n\n5 4\n")
+  inputs = bucket.upload(str(tmp_path / "inputs.txt"), "data/inputs.txt")
+  run_in_process([f"--gin_file={gin_file}", "--gin_file=gin/runs/infer.gin",
+                  "--gin.CHECKPOINT_PATH='ft'", "--gin.INFER_OUTPUT_DIR='out'",
+                  f"--gin.INPUT_FILE='{inputs}'", "--gin.BATCH_SIZE=2",
+                  "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}"], cwd, monkeypatch,
+                 script="t5lite-infer")
+  rows = [json.loads(line) for line in (tmp_path / "out" / "inputs-1.jsonl").open()]
+  assert [row["inputs"] for row in rows] == ["3 1 2", "", "5 4"]
+
+
+def test_a_bucket_where_t5lite_would_write_is_one_line_and_nothing_is_written(
+    bucket, tmp_path, monkeypatch):
+  line = user_error_line([*TINY, f"--gin.MODEL_DIR='{_url('runs/a')}'"], str(tmp_path),
+                         monkeypatch)
+  assert f"MODEL_DIR '{_url('runs/a')}' is a URL; t5lite reads checkpoints from gs://" in line
+  assert os.listdir(tmp_path) == [] and not paths.Path(_url("runs")).exists()
+
+
+def test_the_compilation_cache_can_live_in_a_bucket(bucket):
+  """JAX reads and writes a gs:// cache directory itself; t5lite passes it on."""
+  with launch_cache(configure=False):
+    assert compilation_cache.configure(_url("cache")) == _url("cache")
+    jax.jit(lambda x: jnp.tanh(x) * 3.0)(jnp.ones(7)).block_until_ready()
+  entries = [p.name for p in paths.Path(_url("cache")).iterdir()]
+  assert any(name.startswith("jit__lambda") for name in entries), entries
+  with pytest.raises(UserError, match=r"directory 's3://b/cache' is a s3:// URL; t5lite reads gs"):
+    compilation_cache.configure("s3://b/cache")
