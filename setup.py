@@ -27,6 +27,7 @@ INSTALL_REQUIRES = [
     "flax==0.12.8",
     "gcsfs==2026.10.1",  # gs:// files for etils.epath (t5lite/paths.py)
     "gin-config==0.5.0",
+    "google-cloud-storage==3.17.2",  # the run lock of a MODEL_DIR in a bucket
     "jax==0.10.2",
     "jaxlib==0.10.2",
     # 0.7.0 registers its NumPy ufunc loops one by one against NumPy 2.4, half a

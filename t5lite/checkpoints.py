@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -457,7 +456,7 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any,
     CheckpointReadError: the step's files cannot be read.
     CheckpointMismatchError: the step belongs to another model.
   """
-  step_dir = os.path.join(str(manager.directory), str(step))
+  step_dir = paths.join(str(manager.directory), str(step))
   check_matches(step_dir, abstract_state)
   try:
     with _reads_finished():
@@ -533,8 +532,8 @@ class Checkpointer:
 
   def __init__(self, model_dir: str, save_config: SaveCheckpointConfig | None):
     # Orbax's array store needs absolute paths; users pass relative ones.
-    self.model_dir = os.path.abspath(model_dir)
-    self.directory = os.path.join(self.model_dir, CHECKPOINTS_SUBDIR)
+    self.model_dir = paths.absolute(model_dir)
+    self.directory = paths.join(self.model_dir, CHECKPOINTS_SUBDIR)
     self._save_config = save_config
     self._in_flight: int | None = None  # the step of the save Orbax may still be writing
     self._failed: CheckpointWriteError | None = None
@@ -559,9 +558,11 @@ class Checkpointer:
 
   def unfinished_steps(self) -> list[int]:
     """Steps whose save never completed (a crash mid-write); never restored."""
-    if not os.path.isdir(self.directory):
+    directory = paths.Path(self.directory)
+    if not directory.is_dir():
       return []
-    names = (n.split(".", 1)[0] for n in os.listdir(self.directory) if ".orbax-checkpoint-tmp" in n)
+    names = (p.name.split(".", 1)[0] for p in directory.iterdir()
+             if ".orbax-checkpoint-tmp" in p.name)
     return sorted(int(n) for n in names if n.isdigit())
 
   def all_steps(self) -> list[int]:
@@ -605,7 +606,7 @@ class Checkpointer:
       CheckpointWriteError: the directory is gone, naming the steps it held.
     """
     known = sorted(self._manager.all_steps())  # Orbax's record, not a listing
-    if not known or os.path.isdir(self.directory):
+    if not known or paths.Path(self.directory).is_dir():
       return
     self._failed = CheckpointWriteError(
         f"Could not write checkpoint step {step} to {self.directory}: the directory "
@@ -663,15 +664,15 @@ class Checkpointer:
     Returns:
       The directory they are in now.
     """
-    target = os.path.join(self.model_dir, subdir)
+    target = paths.join(self.model_dir, subdir)
     _sync_processes("t5lite_before_set_aside")  # every process has read the listing
     if jax.process_index() == 0:
-      os.makedirs(target, exist_ok=True)
+      paths.makedirs(target)
       for step in steps:
-        dest, k = os.path.join(target, str(step)), 1
-        while os.path.exists(dest):  # an earlier step of the same number is kept too
-          dest, k = os.path.join(target, f"{step}.{k}"), k + 1
-        os.rename(os.path.join(self.directory, str(step)), dest)
+        dest, k = paths.join(target, str(step)), 1
+        while paths.Path(dest).exists():  # an earlier step of the same number is kept too
+          dest, k = paths.join(target, f"{step}.{k}"), k + 1
+        paths.move(paths.join(self.directory, str(step)), dest)
     _sync_processes("t5lite_after_set_aside")
     self._manager.reload()
     return target
@@ -813,12 +814,12 @@ def plan_resume(model_dir: str, resume_step: int | None) -> ResumePlan:
   Raises:
     ValueError: `resume_step` is not one of MODEL_DIR's checkpoint steps.
   """
-  directory = os.path.join(os.path.abspath(model_dir), CHECKPOINTS_SUBDIR)
-  steps = list_steps(directory)[1] if os.path.isdir(directory) else []
+  directory = paths.join(paths.absolute(model_dir), CHECKPOINTS_SUBDIR)
+  steps = list_steps(directory)[1] if paths.Path(directory).is_dir() else []
   if resume_step is None:
     return ResumePlan(tuple(steps))
   subdir = ABANDONED_SUBDIR.format(step=resume_step)
-  if os.path.isdir(os.path.join(model_dir, subdir)):
+  if paths.Path(paths.join(model_dir, subdir)).is_dir():
     return ResumePlan(tuple(steps), note=(
         f"train.resume_step={resume_step} was applied by an earlier run (the steps after it "
         f"are in MODEL_DIR/{subdir}); resuming from the newest checkpoint. To go back to step "

@@ -407,17 +407,7 @@ def write_operative_config(model_dir: str) -> None:
   fails (a full disk) leaves the config.gin of an earlier run as it was.
   """
   import gin
-  path = os.path.join(model_dir, "config.gin")
-  # Through a temporary file, so an interrupted or failed write (a full
-  # disk) leaves the old one whole.
-  try:
-    with open(path + ".tmp", "w") as f:
-      f.write(gin.operative_config_str())
-    os.replace(path + ".tmp", path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(path + ".tmp")
-    raise
+  paths.write_whole(paths.join(model_dir, "config.gin"), gin.operative_config_str())
 
 
 def _hide_gpus_from_tensorflow() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
@@ -42,8 +41,8 @@ from jax.extend import core as jax_core
 
 from t5lite import axis_names as ax
 from t5lite import checkpoints as ckpt_lib
+from t5lite import paths, state_init, train_eval
 from t5lite import report as report_lib
-from t5lite import state_init, train_eval
 from t5lite import train as train_lib
 from t5lite.data.datasets import DatasetConfig
 from t5lite.periods import Periods
@@ -388,8 +387,8 @@ def _kept(model_dir: str, saves: Sequence[int], save: ckpt_lib.SaveCheckpointCon
   saves; None when `keep` is None (all are kept)."""
   if save is None or save.keep is None:
     return None
-  existing = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
-  on_disk = ckpt_lib.list_steps(existing)[1] if os.path.isdir(existing) else []
+  existing = paths.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
+  on_disk = ckpt_lib.list_steps(existing)[1] if paths.Path(existing).is_dir() else []
   return ckpt_lib.kept_steps(on_disk, saves, save, set_aside)
 
 
@@ -431,7 +430,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def format_report(r: Report) -> str:
   """The report as the text `--dry_run` prints."""
-  exists = "exists" if os.path.isdir(r.model_dir) else "does not exist yet; not created"
+  exists = "exists" if paths.Path(r.model_dir).is_dir() else "does not exist yet; not created"
   total = r.param_count
   lines = [f"Dry run: nothing compiled, nothing written. MODEL_DIR {r.model_dir} ({exists}).",
            "", f"Model: {r.model}", f"Parameters: {total:,} total"]

@@ -72,11 +72,9 @@ def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
   """Records evaluated steps (atomically, process 0 only)."""
   if jax.process_index() != 0:
     return
-  path = os.path.join(output_dir, inference.INFERENCE_EVAL_DIR, EVALUATED_STEPS_FILE)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    json.dump(sorted(steps), f)
-  os.replace(path + ".tmp", path)
+  folder = paths.join(output_dir, inference.INFERENCE_EVAL_DIR)
+  paths.makedirs(folder)
+  paths.write_whole(paths.join(folder, EVALUATED_STEPS_FILE), json.dumps(sorted(steps)))
 
 
 def params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping[str, int],
@@ -94,7 +92,7 @@ def params_restorer(model: BaseModel, partitioner: Partitioner, lengths: Mapping
   def restore(step: int) -> Any:
     if opened.foreign:
       return interop.load_params(opened.path, abstract)
-    config = ckpt_lib.RestoreCheckpointConfig(path=os.path.join(opened.directory, str(step)),
+    config = ckpt_lib.RestoreCheckpointConfig(path=paths.join(opened.directory, str(step)),
                                               mode="specific")
     return ckpt_lib.restore_params(config, abstract)[0]
   return specs.shardings.params, restore
@@ -326,15 +324,15 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
 
 def _write_predictions(path: str, examples: Any, predictions: list[tuple[str, float]],
                        model: BaseModel) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    for example, (prediction, score) in zip(examples.as_numpy_iterator(), predictions):
-      row = {"inputs": _text(example, "inputs", model.input_vocabulary)}
-      if len(np.atleast_1d(example.get("targets", []))) > 1 or "targets_pretokenized" in example:
-        row["targets"] = _text(example, "targets", model.output_vocabulary)
-      row.update(prediction=prediction, score=score)
-      f.write(json.dumps(row) + "\n")
-  os.replace(path + ".tmp", path)
+  paths.makedirs(paths.parent(paths.absolute(path)))
+  rows = []
+  for example, (prediction, score) in zip(examples.as_numpy_iterator(), predictions):
+    row = {"inputs": _text(example, "inputs", model.input_vocabulary)}
+    if len(np.atleast_1d(example.get("targets", []))) > 1 or "targets_pretokenized" in example:
+      row["targets"] = _text(example, "targets", model.output_vocabulary)
+    row.update(prediction=prediction, score=score)
+    rows.append(json.dumps(row) + "\n")
+  paths.write_whole(path, "".join(rows))
 
 
 def export_huggingface(*, model: BaseModel, partitioner: Partitioner,

@@ -24,7 +24,7 @@ import seqio
 import tensorflow as tf
 
 from t5lite import metrics as metrics_lib
-from t5lite import write_errors
+from t5lite import paths, write_errors
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.partitioning import Partitioner
@@ -171,10 +171,13 @@ class InferenceEvaluator:
         cfg.batch_size).num_shards)
     self._model = model
     self._primary = jax.process_index() == 0
-    self._dir = os.path.join(output_dir, INFERENCE_EVAL_DIR)
+    self._dir = paths.join(output_dir, INFERENCE_EVAL_DIR)
+    # seqio writes its JSONL through TensorFlow: local files, uploaded to a
+    # bucket after each evaluation.
+    self._jsonl = paths.Mirror(self._dir)
     if self._primary:
       with write_errors.writing("the inference results", self._dir):
-        os.makedirs(self._dir, exist_ok=True)
+        os.makedirs(self._jsonl.local, exist_ok=True)
     converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
     with datasets.TRACING:  # it traces (and caches) the eval split's pipeline
       self._evaluator = seqio.Evaluator(
@@ -182,7 +185,7 @@ class InferenceEvaluator:
           eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
           sequence_length=dict(cfg.task_feature_lengths), num_examples=num_examples,
           shuffle=False, logger_cls=(_JSONLogger,) if self._primary else (),
-          log_dir=self._dir if self._primary else None, async_compute_metrics=False)
+          log_dir=self._jsonl.local if self._primary else None, async_compute_metrics=False)
     self._runner = BatchRunner(partitioner, cfg.batch_size, params_shardings)
     self._writers: dict[str, metrics_lib.SummaryWriter] = {}
 
@@ -238,6 +241,9 @@ class InferenceEvaluator:
       if isinstance(error.__cause__, write_errors.WriteError):
         raise error.__cause__ from None
       raise
+    if self._primary:
+      with write_errors.writing("the inference results", self._dir, step):
+        self._jsonl.sync()
     results = {task: _scalar_metrics(m) for task, m in computed.items()}
     for task, scalars in results.items():
       self._writer(task).write_scalars(step, scalars)
@@ -247,7 +253,7 @@ class InferenceEvaluator:
 
   def _writer(self, task: str) -> metrics_lib.SummaryWriter:
     if task not in self._writers:
-      self._writers[task] = metrics_lib.SummaryWriter(os.path.join(self._dir, task),
+      self._writers[task] = metrics_lib.SummaryWriter(paths.join(self._dir, task),
                                                       self._primary)
     return self._writers[task]
 
@@ -255,6 +261,8 @@ class InferenceEvaluator:
     self._evaluator.close()
     for writer in self._writers.values():
       writer.close()
+    with write_errors.writing("the inference results", self._dir):
+      self._jsonl.close()
 
 
 def examples_from_texts(texts: Sequence[str], vocabulary: seqio.Vocabulary,

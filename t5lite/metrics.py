@@ -22,7 +22,7 @@ from absl import logging
 from clu import asynclib, metric_writers
 from clu import metrics as clu_metrics
 
-from t5lite import write_errors
+from t5lite import paths, write_errors
 
 
 @flax.struct.dataclass
@@ -93,21 +93,29 @@ class SummaryWriter:
 
   The events are written on a background thread; a write that fails (a full
   or read-only disk) is raised by the next call as a `WriteError`, once.
-  After that the writer writes nothing more and closes quietly.
+  After that the writer writes nothing more and closes quietly. A `gs://`
+  logdir gets the event file of a local folder (`paths.Mirror`), uploaded
+  at every `flush`, at `close` and at a write `UPLOAD_SECONDS` after the
+  last upload.
 
   Args:
     logdir: directory of the event files, e.g. MODEL_DIR/train.
     is_primary: False on processes other than 0 (console logging only).
   """
 
+  UPLOAD_SECONDS = 60.0
+
   def __init__(self, logdir: str, is_primary: bool = True):
     self._logdir = logdir
     self._step: int | None = None  # of the latest call, for the message
     self._failed = False
     self._unraised: Exception | None = None
+    self._mirror = paths.Mirror(logdir) if is_primary else None
+    self._uploaded = time.monotonic()
     try:
       self._writer = metric_writers.create_default_writer(
-          logdir, just_logging=not is_primary, asynchronous=True)
+          self._mirror.local if self._mirror else logdir, just_logging=not is_primary,
+          asynchronous=True)
     except (tf.errors.OpError, OSError) as error:
       # The event file cannot be created: the first write says so, with its step.
       self._unraised = error
@@ -136,12 +144,26 @@ class SummaryWriter:
     self._step = step
     self._call(lambda: self._writer.write_scalars(
         step, {k: float(v) for k, v in scalars.items()}))
+    if (self._mirror is not None and self._mirror.local != self._logdir
+        and time.monotonic() - self._uploaded >= self.UPLOAD_SECONDS):
+      self.flush()
+
+  def _flush(self) -> None:
+    self._writer.flush()
+    if self._mirror is not None:
+      self._mirror.sync()
+      self._uploaded = time.monotonic()
 
   def flush(self) -> None:
-    self._call(lambda: self._writer.flush())
+    self._call(self._flush)
+
+  def _close(self) -> None:
+    self._writer.close()
+    if self._mirror is not None:
+      self._mirror.close()
 
   def close(self) -> None:
-    self._call(lambda: self._writer.close())
+    self._call(self._close)
 
 
 def read_scalar_events(logdir: str, tag: str) -> list[tuple[int, float, float]]:

@@ -1,31 +1,37 @@
 """Paths that name a local file or an object in a Google Cloud Storage bucket.
 
-t5lite reads checkpoints, imports and gin files through `etils.epath`, the
-path type Orbax itself uses, so `gs://bucket/dir` and `/mnt/dir` take the
-same code. Objects in a bucket are read through fsspec's `gcsfs` and the
-arrays in them through TensorStore's `gcs` driver; both authenticate with
-the cloud library's application default credentials and honour the emulator
-settings of their libraries (`STORAGE_EMULATOR_HOST`,
-`TENSORSTORE_GCS_HTTP_URL`).
+t5lite reads and writes the files of a run, checkpoints, imports and gin
+files through `etils.epath`, the path type Orbax itself uses, so
+`gs://bucket/dir` and `/mnt/dir` take the same code. Objects in a bucket go
+through fsspec's `gcsfs` and the arrays in them through TensorStore's `gcs`
+driver; both authenticate with the cloud library's application default
+credentials and honour the emulator settings of their libraries
+(`STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL`).
 
 etils would send `gs://` through TensorFlow's file system whenever
 TensorFlow is installed (it always is: SeqIO's data engine). That client's
 endpoint is compiled in, so nothing but Google's servers can answer it, and
 it would be a second copy of every request path beside TensorStore's. This
 module makes etils use fsspec instead (`EPATH_USE_TF=false`, before etils
-first looks at it); a user who has set the variable keeps their choice.
+first looks at it); a user who has set the variable keeps their choice. It
+also turns off gcsfs's cache of listings, which would hide what other
+processes write.
 
-Writing to a bucket (MODEL_DIR, exports, predictions) is not supported yet:
-`refuse_url` stops such a path in one line before anything starts.
+A training run's MODEL_DIR can be in a bucket; the outputs of t5lite-eval,
+-infer, -export and -import cannot yet: `refuse_url` stops such a path in one
+line before anything starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 
+import fsspec.config
 from etils import epath
 
 from t5lite.errors import UserError
@@ -33,6 +39,10 @@ from t5lite.errors import UserError
 
 # etils reads this at the first `gs://` path it opens, which comes later.
 os.environ.setdefault("EPATH_USE_TF", "false")
+# gcsfs would otherwise answer listings and existence checks from what this
+# process listed before, blind to what another process (a restarted job, the
+# other hosts of a job) wrote since.
+fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
 
 # `gs://bucket/dir`, `s3://...`, `hdfs://...`: a scheme, then "://".
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -68,7 +78,8 @@ def check_readable(name: str, path: str | None) -> None:
 
 
 def refuse_url(name: str, path: str | None) -> None:
-  """Refuses a URL where t5lite does not take one yet (it writes only local files).
+  """Refuses a URL where t5lite does not take one yet: the outputs of
+  t5lite-eval, -infer, -export and -import.
 
   Checked before anything is read or written, so that a URL is never taken
   for a relative local directory `gs:` under the working directory.
@@ -77,9 +88,9 @@ def refuse_url(name: str, path: str | None) -> None:
     UserError: `path` is a URL.
   """
   if is_url(path):
-    raise UserError(f"{name} '{path}' is a URL; t5lite reads checkpoints from gs:// buckets, "
-                    "but this path must be local or mounted (a bucket mounted with a FUSE "
-                    "client such as gcsfuse works): give the path of the mount "
+    raise UserError(f"{name} '{path}' is a URL; t5lite keeps a training run (MODEL_DIR) in a "
+                    f"gs:// bucket, but {name} must be local or mounted (a bucket mounted with "
+                    "a FUSE client such as gcsfuse works): give the path of the mount "
                     "(docs/checkpoints.md, \"Buckets\").")
 
 
@@ -143,3 +154,109 @@ class LocalCopies:
         shutil.copyfileobj(source, target, 16 << 20)
       self._copies[path] = copy
     return self._copies[path]
+
+
+def write_whole(path: str, text: str) -> None:
+  """Writes `text` to `path` whole or not at all: a write that fails (a full
+  disk) or is interrupted leaves an earlier file as it was.
+
+  A local file is written beside and renamed into place. An object in a
+  bucket is replaced by one upload, which readers see whole or not at all.
+  """
+  if is_url(path):
+    Path(path).write_text(text)
+    return
+  try:
+    with open(path + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(path + ".tmp", path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(path + ".tmp")
+    raise
+
+
+def makedirs(path: str) -> None:
+  """`os.makedirs(path, exist_ok=True)`; nothing for a bucket, which has no
+  directories (an object's name holds its folders)."""
+  if not is_url(path):
+    os.makedirs(path, exist_ok=True)
+
+
+class Mirror:
+  """A local folder for writers that write only local files, copied to
+  `target` when asked: TensorFlow's writers, through which TensorBoard events
+  and seqio's JSONL go, since TensorFlow's own `gs://` client is not used
+  (see the module docstring).
+
+  For a local `target` the folder is `target` itself and `sync` does
+  nothing. For a bucket it is a private temporary folder, and `sync` uploads
+  each file that changed since the last `sync`, whole: an object is replaced
+  in one upload, so a reader sees the file as of some `sync`.
+
+  Attributes:
+    target: where the files belong.
+    local: where writers write them.
+  """
+
+  def __init__(self, target: str):
+    self.target = target
+    self._folder = tempfile.TemporaryDirectory(prefix="t5lite-") if is_url(target) else None
+    self.local = self._folder.name if self._folder else target
+    self._synced: dict[str, tuple[int, int]] = {}
+
+  def sync(self) -> None:
+    """Uploads what changed (a no-op for a local target).
+
+    Raises:
+      OSError: an upload failed.
+    """
+    if self._folder is None:
+      return
+    for root, _, files in os.walk(self.local):
+      for file in files:
+        local = os.path.join(root, file)
+        relative = os.path.relpath(local, self.local)
+        stat = os.stat(local)
+        if self._synced.get(relative) == (stat.st_size, stat.st_mtime_ns):
+          continue
+        with open(local, "rb") as source:
+          Path(join(self.target, *relative.split(os.sep))).write_bytes(source.read())
+        self._synced[relative] = (stat.st_size, stat.st_mtime_ns)
+
+  def close(self) -> None:
+    """A last `sync`, then the local folder of a bucket target is removed."""
+    try:
+      self.sync()
+    finally:
+      if self._folder is not None:
+        self._folder.cleanup()
+
+
+def files_under(folder: epath.Path) -> Iterator[epath.Path]:
+  """Every file under `folder`, at any depth (etils globs no `**` in a bucket)."""
+  for child in folder.iterdir():
+    if child.is_dir():
+      yield from files_under(child)
+    else:
+      yield child
+
+
+def move(source: str, destination: str) -> None:
+  """Renames the file or folder `source` to `destination`.
+
+  A bucket has no rename: each object under `source` is copied, then all are
+  removed, so an interruption leaves both copies, never neither.
+  """
+  if not is_url(source):
+    os.rename(source, destination)
+    return
+  root = Path(source)
+  files = list(files_under(root)) if root.is_dir() else [root]
+  for file in files:
+    relative = os.fspath(file)[len(os.fspath(root)):].lstrip("/")
+    target = Path(join(destination, relative)) if relative else Path(destination)
+    with file.open("rb") as reader, target.open("wb") as writer:
+      shutil.copyfileobj(reader, writer, 16 << 20)
+  for file in files:
+    file.unlink()

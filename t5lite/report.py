@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import compilation_cache, inference, state_init
+from t5lite import compilation_cache, inference, paths, state_init
 from t5lite import metrics as metrics_lib
 from t5lite.feeder import TrainData
 
@@ -65,11 +64,11 @@ def summary(*, model_dir, checkpointer, start, end, seconds) -> str:
   ran = end - start
   rate = f", {ran / seconds:.2f} steps/s" if ran and seconds > 0 else ""
   written = [d for d in ("train", "training_eval", inference.INFERENCE_EVAL_DIR)
-             if os.path.isdir(os.path.join(model_dir, d))]
+             if paths.Path(paths.join(model_dir, d)).is_dir()]
   steps = ckpt_lib.list_steps(checkpointer.directory)[1]
   return "\n".join([
       f"Finished at step {end}: {ran} steps in {metrics_lib.format_duration(seconds)}{rate}.",
       f"  checkpoints: {checkpointer.directory} (steps {steps})",
-      f"  summaries:   {', '.join(os.path.join(model_dir, d) for d in written)}",
+      f"  summaries:   {', '.join(paths.join(model_dir, d) for d in written)}",
       f"  view with:   tensorboard --logdir {model_dir}",
       f"  {compilation_cache.use().describe()}"])

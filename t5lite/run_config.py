@@ -22,13 +22,13 @@ import numpy as np
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
 from t5lite import metrics as metrics_lib
+from t5lite import paths
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
 from t5lite.divergence import DivergenceLimits
 from t5lite.errors import UserError
 from t5lite.partitioning import Partitioner
-from t5lite.paths import refuse_url
 from t5lite.periods import Periods, compute_periods
 
 
@@ -124,8 +124,11 @@ def resolve_seed(random_seed: int | None) -> int:
 
 
 def _check_writable(model_dir: str) -> None:
-  """MODEL_DIR (or the directory it will be created in) must be writable."""
-  refuse_url("MODEL_DIR", model_dir)
+  """MODEL_DIR (or the directory it will be created in) must be writable; a
+  bucket says so at the first write (the run lock)."""
+  paths.check_readable("MODEL_DIR", model_dir)
+  if paths.is_url(model_dir):
+    return
   path = os.path.abspath(model_dir)
   while not os.path.exists(path):
     path = os.path.dirname(path)

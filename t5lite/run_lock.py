@@ -8,6 +8,14 @@ on another host of a shared filesystem (where flock may not reach across
 hosts) counts as alive while it refreshes the file's modification time, every
 `HEARTBEAT_SECONDS`; a file from another host not refreshed for
 `STALE_AFTER_SECONDS` is taken over. The holder removes the file when done.
+
+A MODEL_DIR in a bucket (`gs://`) has no file locks: the lock is an object
+created only if none exists (a generation precondition, which the bucket
+checks atomically). Its holder rewrites it every `HEARTBEAT_SECONDS`, each
+time only over the generation it wrote; a lock object of a dead process on
+this host, or of any holder that has not rewritten it for
+`STALE_AFTER_SECONDS`, is taken over. A trainer killed on one host is
+restarted at once on the same host, after `STALE_AFTER_SECONDS` on another.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from absl import logging
 
-from t5lite import console, write_errors
+from t5lite import console, paths, write_errors
 from t5lite.errors import UserError
 
 
@@ -146,8 +155,96 @@ class _Lock:
         os.rmdir(self._created_dir)  # only if still empty: the run wrote nothing
 
 
+class _ObjectLock:
+  """A held lock object in a bucket and the heartbeat thread rewriting it."""
+
+  def __init__(self, blob: Any, record: str, heartbeat_seconds: float):
+    self._blob = blob
+    self._record = record
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
+                                    name="t5lite-run-lock", daemon=True)
+    self._thread.start()
+
+  def _beat(self, seconds: float) -> None:
+    from google.api_core import exceptions
+    while not self._stop.wait(seconds):
+      try:
+        self._blob.upload_from_string(self._record, if_generation_match=self._blob.generation)
+      except exceptions.PreconditionFailed:
+        logging.warning("The lock %s was taken over by another trainer.", self._blob.name)
+        return
+      except (exceptions.GoogleAPIError, OSError) as error:  # the next beat tries again
+        logging.warning("Could not refresh the lock %s: %s", self._blob.name, error)
+
+  def release(self) -> None:
+    from google.api_core import exceptions
+    self._stop.set()
+    self._thread.join()
+    with contextlib.suppress(exceptions.NotFound, exceptions.PreconditionFailed):
+      self._blob.delete(if_generation_match=self._blob.generation)
+
+
+def _stale_object(blob: Any, me: Holder) -> Holder | None:
+  """The holder a lock object names, if that holder is gone; else raises."""
+  from google.api_core import exceptions
+  try:
+    blob.reload()  # its generation and the time of its last heartbeat
+    text = blob.download_as_text(if_generation_match=blob.generation)
+  except (exceptions.NotFound, exceptions.PreconditionFailed):
+    return None  # released or rewritten meanwhile: look again
+  try:
+    record = json.loads(text)
+    holder = Holder(host=str(record["host"]), pid=int(record["pid"]),
+                    started=float(record["started"]))
+  except (ValueError, KeyError, TypeError):
+    holder = Holder(host="unknown", pid=0, started=blob.updated.timestamp())
+  if holder.host == me.host:
+    alive = _pid_alive(holder.pid)  # this process too: another acquire holds it
+  else:
+    alive = time.time() - blob.updated.timestamp() < STALE_AFTER_SECONDS
+  if alive:
+    raise ModelDirInUse(
+        f"MODEL_DIR '{paths.parent(_blob_url(blob))}' is in use by another t5lite-train "
+        f"({holder.describe()}); wait for it to finish or stop it, or choose another MODEL_DIR.")
+  return holder
+
+
+def _blob_url(blob: Any) -> str:
+  return f"gs://{blob.bucket.name}/{blob.name}"
+
+
+def _acquire_object(model_dir: str, log: Callable[[str], None], heartbeat_seconds: float
+                    ) -> _ObjectLock:
+  """`acquire` for a MODEL_DIR in a bucket."""
+  from google.api_core import exceptions
+  from google.cloud import storage
+  bucket, _, folder = model_dir.removeprefix("gs://").partition("/")
+  blob = storage.Client().bucket(bucket).blob(
+      "/".join(p for p in (folder.strip("/"), LOCK_FILE) if p))
+  me = _this_process()
+  record = json.dumps(dataclasses.asdict(me)) + "\n"
+  precondition = 0  # create only if there is no lock object
+  for _ in range(5):
+    try:
+      with write_errors.writing("the run lock", _blob_url(blob)):
+        blob.upload_from_string(record, if_generation_match=precondition)
+      return _ObjectLock(blob, record, heartbeat_seconds)
+    except exceptions.PreconditionFailed:
+      pass
+    stale = _stale_object(blob, me)
+    if stale is None:
+      precondition = 0
+      continue
+    log(f"Taking over the lock of a trainer that is gone ({stale.describe()}) in "
+        f"{_blob_url(blob)}.")
+    precondition = blob.generation
+  raise ModelDirInUse(f"Could not take the lock {_blob_url(blob)}: it keeps changing; is "
+                      "another t5lite-train starting on the same MODEL_DIR?")
+
+
 def acquire(model_dir: str, log: Callable[[str], None] = logging.warning,
-            heartbeat_seconds: float = HEARTBEAT_SECONDS) -> _Lock:
+            heartbeat_seconds: float = HEARTBEAT_SECONDS) -> _Lock | _ObjectLock:
   """Takes MODEL_DIR's lock, creating MODEL_DIR if needed.
 
   Args:
@@ -162,6 +259,8 @@ def acquire(model_dir: str, log: Callable[[str], None] = logging.warning,
     ModelDirInUse: a live trainer holds it; the message names it.
     write_errors.WriteError: the lock file could not be written.
   """
+  if paths.is_url(model_dir):
+    return _acquire_object(model_dir, log, heartbeat_seconds)
   path = os.path.join(model_dir, LOCK_FILE)
   me = _this_process()
   for _ in range(5):  # the holder may remove the file (or MODEL_DIR) as we open it

@@ -8,10 +8,8 @@ Face checkpoint), else a fresh initialisation.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +21,7 @@ from absl import logging
 from jax.extend import core as jax_core
 
 from t5lite import checkpoints as ckpt_lib
-from t5lite import interop, optimizers, tree_paths
+from t5lite import interop, optimizers, paths, tree_paths
 from t5lite import metrics as metrics_lib
 from t5lite.errors import UserError
 from t5lite.feeder import TrainData, fast_forward
@@ -135,7 +133,7 @@ def data_position(start: Start, model_dir: str) -> int:
   moves the data once more, to the step it restored.
   """
   if start.kind == "resume":
-    checkpoints = os.path.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
+    checkpoints = paths.join(model_dir, ckpt_lib.CHECKPOINTS_SUBDIR)
     return 0 if ckpt_lib.holds_dataset(checkpoints, start.step) else start.step
   return start.step if start.kind in ("restore", "import_state") else 0
 
@@ -325,12 +323,4 @@ def write_model_info(path: str, specs: StateSpecs, partitioner: Partitioner) -> 
   lines.append(f"Total number of parameters: {param_count(specs)}")
   lines.append(f"Total number of optimizer-state values: {opt_total}")
   lines.append(f"Mesh: {dict(partitioner.mesh.shape)}")
-  # Through a temporary file, so an interrupted write leaves the old one whole.
-  try:
-    with open(path + ".tmp", "w") as f:
-      f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(path + ".tmp")
-    raise
+  paths.write_whole(path, "\n".join(lines) + "\n")

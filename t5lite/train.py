@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ import jax
 
 from t5lite import actions as actions_lib
 from t5lite import checkpoints as ckpt_lib
-from t5lite import interop, report, run_config, run_lock, state_init, stops, write_errors
+from t5lite import interop, paths, report, run_config, run_lock, state_init, stops, write_errors
 from t5lite import metrics as metrics_lib
 from t5lite.checkpoints import CheckpointConfig
 from t5lite.data.datasets import DatasetConfig
@@ -289,7 +288,7 @@ def _prepare_model_dir(model_dir: str, summarize_config_fn: Callable[[str], None
     write_errors.WriteError: either could not be written.
   """
   with write_errors.writing("config.gin", model_dir, step):
-    os.makedirs(model_dir, exist_ok=True)
+    paths.makedirs(model_dir)
     if jax.process_index() == 0 and summarize_config_fn is not None:
       summarize_config_fn(model_dir)
 
@@ -298,7 +297,7 @@ def _build_loop(run: RunConfig, periods: Periods, data: TrainData,
                 checkpointer: ckpt_lib.Checkpointer, step_fn: Partitioned,
                 evaluators: Evaluators, start: int, end: int) -> _Loop:
   """The writers and the loop's pieces around the step, the data and the evaluators."""
-  writer = metrics_lib.SummaryWriter(os.path.join(run.model_dir, "train"),
+  writer = metrics_lib.SummaryWriter(paths.join(run.model_dir, "train"),
                                      jax.process_index() == 0)
   progress = report.progress(run.model, data, start, end, run.peak_flops_per_device)
   return _Loop(step_fn=step_fn, data=data, checkpointer=checkpointer, writer=writer,
@@ -399,7 +398,7 @@ def _run(run: RunConfig, trainer: Trainer, periods: Periods) -> tuple[int, Train
   # Only now, with the checkpoint known to fit the model, is anything written.
   _prepare_model_dir(run.model_dir, run.summarize_config_fn, start)
   if jax.process_index() == 0:
-    info = os.path.join(run.model_dir, "model-info.txt")
+    info = paths.join(run.model_dir, "model-info.txt")
     with write_errors.writing("model-info.txt", info, start):
       state_init.write_model_info(info, specs, partitioner)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ import jax
 import seqio
 from absl import logging
 
-from t5lite import inference
+from t5lite import inference, paths
 from t5lite import metrics as metrics_lib
 from t5lite.data import datasets
 from t5lite.data.datasets import DatasetConfig
@@ -60,7 +59,7 @@ class TrainEvaluator:
           dataclasses.replace(cfg, mixture_or_task_name=name), layout.shard_id,
           layout.num_shards, model.FEATURE_CONVERTER_CLS, num_epochs=None)
       self._writers[name] = metrics_lib.SummaryWriter(
-          os.path.join(model_dir, "training_eval", name), jax.process_index() == 0)
+          paths.join(model_dir, "training_eval", name), jax.process_index() == 0)
     spec = next(iter(self._datasets.values())).element_spec
     shardings = partitioner.batch_shardings({k: s.shape for k, s in spec.items()})
     self._step_fn = trainer.compile_eval_step(params_shardings, shardings)

@@ -89,7 +89,7 @@ _EXPORT = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/export.gin"
 
 
 @pytest.mark.parametrize("script, args, named", [
-    ("t5lite-train", [*TINY, "--gin.MODEL_DIR='gs://bucket/run'"], "MODEL_DIR 'gs://bucket/run'"),
+    ("t5lite-train", [*TINY, "--gin.MODEL_DIR='s3://bucket/run'"], "MODEL_DIR 's3://bucket/run'"),
     ("t5lite-train", ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/finetune.gin",
                       "--gin_file=gin/testing/local_tiny.gin", "--gin.MODEL_DIR='new'",
                       "--gin.MIXTURE_OR_TASK_NAME='t5lite_arithmetic'",

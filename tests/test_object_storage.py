@@ -10,6 +10,9 @@ t5lite cannot read, or a bucket where t5lite would write, is one line.
 
 import json
 import os
+import socket
+import subprocess
+import time
 
 import gcs_emulator
 import interop_helpers as h
@@ -17,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cli import TINY, launch_cache, run_cli, run_in_process, user_error_line
+from test_cli import SHALLOW, TINY, Child, launch_cache, run_cli, run_in_process, user_error_line
+from test_interruptions import assert_bitwise_equal, checkpoint_state
 
-from t5lite import checkpoints, compilation_cache, interop, paths
+from t5lite import checkpoints, compilation_cache, interop, metrics, paths, run_lock
 from t5lite.errors import UserError
 
 
@@ -133,10 +137,12 @@ def test_import_fine_tune_and_infer_from_a_bucket(bucket, tmp_path, monkeypatch)
 
 def test_a_bucket_where_t5lite_would_write_is_one_line_and_nothing_is_written(
     bucket, tmp_path, monkeypatch):
-  line = user_error_line([*TINY, f"--gin.MODEL_DIR='{_url('runs/a')}'"], str(tmp_path),
-                         monkeypatch)
-  assert f"MODEL_DIR '{_url('runs/a')}' is a URL; t5lite reads checkpoints from gs://" in line
-  assert os.listdir(tmp_path) == [] and not paths.Path(_url("runs")).exists()
+  (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+  line = user_error_line(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/export.gin",
+                          "--gin.CHECKPOINT_PATH='run'", f"--gin.EXPORT_DIR='{_url('hf_out')}'"],
+                         str(tmp_path), monkeypatch, script="t5lite-export")
+  assert f"EXPORT_DIR '{_url('hf_out')}' is a URL; t5lite keeps a training run" in line
+  assert not paths.Path(_url("hf_out")).exists()
 
 
 def test_the_compilation_cache_can_live_in_a_bucket(bucket):
@@ -148,3 +154,71 @@ def test_the_compilation_cache_can_live_in_a_bucket(bucket):
   assert any(name.startswith("jit__lambda") for name in entries), entries
   with pytest.raises(UserError, match=r"directory 's3://b/cache' is a s3:// URL; t5lite reads gs"):
     compilation_cache.configure("s3://b/cache")
+
+
+def _download(url, folder):
+  """Copies the bucket folder `url` to the local `folder`, for readers of local files."""
+  root = paths.Path(url)
+  for file in paths.files_under(root):
+    local = os.path.join(folder, os.fspath(file)[len(os.fspath(root)):].lstrip("/"))
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    with open(local, "wb") as f:
+      f.write(file.read_bytes())
+  return folder
+
+
+@pytest.mark.slow
+def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch):
+  """MODEL_DIR in the bucket: checkpoints, config.gin, model-info.txt and the
+  TensorBoard events land there; a run killed with SIGKILL once its step-2
+  checkpoint is committed resumes from its newest committed step, and its
+  step 8 equals an uninterrupted run's, bit for bit."""
+  args = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0", "--gin.TRAIN_STEPS=8",
+          "--gin.CHECKPOINT_PERIOD=2", "--gin.STATS_PERIOD=1"]
+  straight, killed = _url("runs/straight"), _url("runs/killed")
+  run_in_process([*args, f"--gin.MODEL_DIR='{straight}'"], str(tmp_path), monkeypatch)
+  names = {p.name for p in paths.Path(straight).iterdir()}
+  assert {"checkpoints", "config.gin", "model-info.txt", "train"} <= names, names
+  assert not paths.Path(f"{straight}/train.lock").exists()  # released at the end
+  losses = metrics.read_scalars(_download(f"{straight}/train", str(tmp_path / "tb")), "loss")
+  assert sorted(losses) == list(range(1, 9))
+
+  child = Child([*args, "--gin.TRAIN_STEPS=1000", f"--gin.MODEL_DIR='{killed}'"], str(tmp_path))
+  deadline = time.monotonic() + 300
+  while 2 not in checkpoints.list_steps(killed)[1]:
+    assert child.proc.poll() is None and time.monotonic() < deadline, child.finish(60)
+    time.sleep(0.2)
+  child.proc.kill()
+  child.finish(60)
+  assert paths.Path(f"{killed}/train.lock").exists()  # left behind by the killed process
+  committed = checkpoints.list_steps(killed)[1]
+  assert 2 <= max(committed) < 8, committed
+  out = run_in_process([*args, f"--gin.MODEL_DIR='{killed}'"], str(tmp_path), monkeypatch)
+  assert f"Restoring step {max(committed)}" in out
+  assert_bitwise_equal(checkpoint_state(f"{straight}/checkpoints/8"),
+                       checkpoint_state(f"{killed}/checkpoints/8"))
+
+
+def test_the_lock_of_a_run_in_a_bucket_keeps_a_second_trainer_out(bucket):
+  model_dir = _url("runs/locked")
+  first = run_lock.acquire(model_dir)
+  try:
+    with pytest.raises(run_lock.ModelDirInUse, match=r"in use by another t5lite-train \(host"):
+      run_lock.acquire(model_dir)
+  finally:
+    first.release()
+  assert not paths.Path(f"{model_dir}/train.lock").exists()
+  # A lock object of a process of this host that is gone is taken over.
+  dead = _dead_pid()
+  paths.Path(f"{model_dir}/train.lock").write_text(
+      json.dumps({"host": socket.gethostname(), "pid": dead, "started": 0.0}))
+  taken = []
+  lock = run_lock.acquire(model_dir, log=taken.append)
+  lock.release()
+  assert taken and f"pid {dead}" in taken[0], taken
+
+
+def _dead_pid():
+  process = subprocess.Popen(["true"])
+  process.wait()
+  return process.pid
