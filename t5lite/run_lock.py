@@ -126,26 +126,45 @@ def _same_file(fd: int, path: str) -> bool:
     return False
 
 
-class _Lock:
+class _Heartbeat:
+  """Calls `_refresh` every `seconds` on a daemon thread, until it answers
+  False or `_stop_beating`."""
+
+  def _start_beating(self, seconds: float) -> None:
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._beat, args=(seconds,), name="t5lite-run-lock",
+                                    daemon=True)
+    self._thread.start()
+
+  def _beat(self, seconds: float) -> None:
+    while not self._stop.wait(seconds):
+      if not self._refresh():
+        return
+
+  def _refresh(self) -> bool:
+    raise NotImplementedError
+
+  def _stop_beating(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+
+class _Lock(_Heartbeat):
   """A held lock: the open file and the heartbeat thread refreshing it."""
 
   def __init__(self, fd: int, path: str, created_dir: str | None, heartbeat_seconds: float):
     self._fd = fd
     self._path = path
     self._created_dir = created_dir
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
-                                    name="t5lite-run-lock", daemon=True)
-    self._thread.start()
+    self._start_beating(heartbeat_seconds)
 
-  def _beat(self, seconds: float) -> None:
-    while not self._stop.wait(seconds):
-      with contextlib.suppress(OSError):
-        os.utime(self._path)
+  def _refresh(self) -> bool:
+    with contextlib.suppress(OSError):
+      os.utime(self._path)
+    return True
 
   def release(self) -> None:
-    self._stop.set()
-    self._thread.join()
+    self._stop_beating()
     with contextlib.suppress(OSError):
       if _same_file(self._fd, self._path):
         os.unlink(self._path)  # before the unlock: a waiter re-checks the inode
@@ -155,32 +174,28 @@ class _Lock:
         os.rmdir(self._created_dir)  # only if still empty: the run wrote nothing
 
 
-class _ObjectLock:
+class _ObjectLock(_Heartbeat):
   """A held lock object in a bucket and the heartbeat thread rewriting it."""
 
   def __init__(self, blob: Any, record: str, heartbeat_seconds: float):
     self._blob = blob
     self._record = record
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
-                                    name="t5lite-run-lock", daemon=True)
-    self._thread.start()
+    self._start_beating(heartbeat_seconds)
 
-  def _beat(self, seconds: float) -> None:
+  def _refresh(self) -> bool:
     from google.api_core import exceptions
-    while not self._stop.wait(seconds):
-      try:
-        self._blob.upload_from_string(self._record, if_generation_match=self._blob.generation)
-      except exceptions.PreconditionFailed:
-        logging.warning("The lock %s was taken over by another trainer.", self._blob.name)
-        return
-      except (exceptions.GoogleAPIError, OSError) as error:  # the next beat tries again
-        logging.warning("Could not refresh the lock %s: %s", self._blob.name, error)
+    try:  # only over the generation this holder wrote last
+      self._blob.upload_from_string(self._record, if_generation_match=self._blob.generation)
+    except exceptions.PreconditionFailed:
+      logging.warning("The lock %s was taken over by another trainer.", self._blob.name)
+      return False
+    except (exceptions.GoogleAPIError, OSError) as error:  # the next beat tries again
+      logging.warning("Could not refresh the lock %s: %s", self._blob.name, error)
+    return True
 
   def release(self) -> None:
     from google.api_core import exceptions
-    self._stop.set()
-    self._thread.join()
+    self._stop_beating()
     with contextlib.suppress(exceptions.NotFound, exceptions.PreconditionFailed):
       self._blob.delete(if_generation_match=self._blob.generation)
 
