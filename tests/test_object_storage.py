@@ -176,9 +176,14 @@ def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch)
   args = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0", "--gin.TRAIN_STEPS=8",
           "--gin.CHECKPOINT_PERIOD=2", "--gin.STATS_PERIOD=1"]
   straight, killed = _url("runs/straight"), _url("runs/killed")
-  run_in_process([*args, f"--gin.MODEL_DIR='{straight}'"], str(tmp_path), monkeypatch)
+  # With a train-eval at the end, whose events go to the bucket too.
+  run_in_process([*args, f"--gin.MODEL_DIR='{straight}'", "--gin.EVAL_PERIOD=8"], str(tmp_path),
+                 monkeypatch)
   names = {p.name for p in paths.Path(straight).iterdir()}
-  assert {"checkpoints", "config.gin", "model-info.txt", "train"} <= names, names
+  assert {"checkpoints", "config.gin", "model-info.txt", "train", "training_eval"} <= names, names
+  evaluated = _download(f"{straight}/training_eval", str(tmp_path / "eval"))
+  assert sorted(metrics.read_scalars(os.path.join(evaluated, os.listdir(evaluated)[0]),
+                                     "loss")) == [8]
   assert not paths.Path(f"{straight}/train.lock").exists()  # released at the end
   losses = metrics.read_scalars(_download(f"{straight}/train", str(tmp_path / "tb")), "loss")
   assert sorted(losses) == list(range(1, 9))
