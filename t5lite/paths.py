@@ -129,6 +129,13 @@ def kvstore(directory: str) -> str:
   return "file://" + os.path.abspath(directory).rstrip("/") + "/"
 
 
+def _copy(source: str, target: str) -> None:
+  """Copies the file `source` to `target`, either local or in a bucket, in
+  chunks (a checkpoint's files can be large)."""
+  with Path(source).open("rb") as reader, Path(target).open("wb") as writer:
+    shutil.copyfileobj(reader, writer, 16 << 20)
+
+
 class LocalCopies:
   """Local files with the contents of paths: a local path is its own file, an
   object in a bucket is copied once into a private temporary folder, removed
@@ -150,8 +157,7 @@ class LocalCopies:
       if self._folder is None:
         self._folder = tempfile.TemporaryDirectory(prefix="t5lite-")
       copy = os.path.join(self._folder.name, f"{len(self._copies)}-{name(path)}")
-      with Path(path).open("rb") as source, open(copy, "wb") as target:
-        shutil.copyfileobj(source, target, 16 << 20)
+      _copy(path, copy)
       self._copies[path] = copy
     return self._copies[path]
 
@@ -220,8 +226,7 @@ class Mirror:
         stat = os.stat(local)
         if self._synced.get(relative) == (stat.st_size, stat.st_mtime_ns):
           continue
-        with open(local, "rb") as source:
-          Path(join(self.target, *relative.split(os.sep))).write_bytes(source.read())
+        _copy(local, join(self.target, *relative.split(os.sep)))
         self._synced[relative] = (stat.st_size, stat.st_mtime_ns)
 
   def close(self) -> None:
@@ -255,8 +260,6 @@ def move(source: str, destination: str) -> None:
   files = list(files_under(root)) if root.is_dir() else [root]
   for file in files:
     relative = os.fspath(file)[len(os.fspath(root)):].lstrip("/")
-    target = Path(join(destination, relative)) if relative else Path(destination)
-    with file.open("rb") as reader, target.open("wb") as writer:
-      shutil.copyfileobj(reader, writer, 16 << 20)
+    _copy(os.fspath(file), join(destination, relative) if relative else destination)
   for file in files:
     file.unlink()
