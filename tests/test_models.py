@@ -507,6 +507,34 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   assert 0 < relative_error < 0.03
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_logits_are_a_float32_product_as_in_t5x(tied):
+  """T5X computes the output layer in float32 whatever the activation dtype
+  ("for stability"): the bfloat16 output of the final norm times the float32
+  kernel (or embedding table). Rounding the logits to bfloat16 instead moves
+  each by up to 2**-9 of itself, which T5X's bfloat16 run shows after a few
+  updates (tests/test_t5x_training.py)."""
+  model = _model(transformer.EncoderDecoder(_config(dtype="bfloat16",
+                                                    logits_via_embedding=tied)))
+  params = _random_params(model)
+  batch = _encdec_batch()
+  logits, state = jax.jit(lambda p, b: model.module.apply(
+      {"params": p}, **model._module_inputs(b), enable_dropout=False,
+      capture_intermediates=True, mutable=["intermediates"]))(params, batch)
+  normed = state["intermediates"]["decoder"]["decoder_norm"]["__call__"][0]
+  assert normed.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+  normed = np.asarray(normed, np.float64)
+  if tied:
+    table = np.asarray(params["token_embedder"]["embedding"], np.float64)
+    want = normed @ table.T / np.sqrt(EMBED)
+  else:
+    want = normed @ np.asarray(params["decoder"]["logits_dense"]["kernel"], np.float64)
+  # float32 products: within a few float32 roundings (2**-24) of the exact
+  # sum; a bfloat16 product would be up to 2**-9 off.
+  gap = np.max(np.abs(np.asarray(logits, np.float64) - want)) / np.max(np.abs(want))
+  assert gap < 1e-5, gap
+
+
 def test_training_on_a_copy_task_lowers_the_loss():
   cfg = _config(emb_dim=64, num_heads=4, head_dim=8, mlp_dim=128, num_encoder_layers=2,
                 num_decoder_layers=2, dropout_rate=0.0)

@@ -363,7 +363,7 @@ class Embed(nn.Module):
   Attributes:
     num_embeddings: vocabulary size.
     features: embedding width.
-    dtype: dtype of looked-up embeddings and of `attend` compute.
+    dtype: dtype of looked-up embeddings (`attend` computes in float32).
   """
 
   num_embeddings: int
@@ -400,10 +400,11 @@ class Embed(nn.Module):
       query: `[batch, length, embed]`.
 
     Returns:
-      Unscaled logits `[batch, length, vocab]` in `dtype`.
+      Unscaled float32 logits `[batch, length, vocab]`: the output layer
+      is a float32 product whatever the activation dtype, as in T5X.
     """
     # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
-    return einsum("ble,ve->blv", query, self.embedding, self.dtype)
+    return einsum("ble,ve->blv", query, self.embedding, jnp.float32)
 
 
 def relative_position_bucket(relative_position: Array | np.ndarray,

@@ -603,7 +603,8 @@ class Decoder(nn.Module):
     return self._logits(x)
 
   def _logits(self, x: Array) -> Array:
-    """Projects `[batch, length, embed]` to float32 `[batch, length, vocab]`."""
+    """Projects `[batch, length, embed]` to float32 `[batch, length, vocab]`,
+    in float32 whatever the activation dtype (as T5X does, for stability)."""
     cfg = self.config
     if cfg.logits_via_embedding:
       # The table is initialised with stddev 1, so tied logits are rescaled
@@ -611,8 +612,7 @@ class Decoder(nn.Module):
       logits = self.shared_embedding.attend(x) / math.sqrt(cfg.emb_dim)
     else:
       logits = layers.DenseGeneral(cfg.vocab_size, kernel_axes=(ax.EMBED, ax.VOCAB),
-                                   dtype=cfg.compute_dtype, name="logits_dense")(x)
-    logits = logits.astype(jnp.float32)
+                                   dtype=jnp.float32, name="logits_dense")(x)
     return nn.with_logical_constraint(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
 

@@ -26,7 +26,8 @@ parameter tensors of max|p - ref| / max|ref|; `rel_l2` = ||p - ref|| / ||ref||
 over all parameters together. A loss "spread" is, per step, the max over the
 seeds of |loss - ref| / |ref|.
 
-Writes t5x_chaos_more.npz (load with allow_pickle=False):
+Writes t5x_chaos_more.npz, or the file named by its one argument (load with
+allow_pickle=False):
   cpu                                  str     /proc/cpuinfo model name, flags
                                                avx512f / avx512_bf16, cores
   versions                             str     jax, jaxlib, flax, orbax, seqio
@@ -260,14 +261,15 @@ def f32(out):
   return seconds
 
 
-def main():
+def main(argv):
+  name = argv[1] if len(argv) > 1 else "t5x_chaos_more.npz"
   out = {"cpu": np.str_(cpu_description()), "versions": np.str_(versions())}
   out["seeds"] = np.array(SEEDS, np.int64)
   print("cpu:", out["cpu"])
   seconds = [deconly(out), bf16(out), f32(out)]
   out["seconds_per_replay"] = np.array(seconds)
-  np.savez(os.path.join(run._HERE, "t5x_chaos_more.npz"), **out)
+  np.savez(os.path.join(run._HERE, name), **out)
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv)
