@@ -23,12 +23,24 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from t5lite import interop, paths, tree_paths, write_errors
 from t5lite.errors import UserError
 
 
 CHECKPOINTS_SUBDIR = "checkpoints"
+
+# TensorStore retries a failed request to a bucket 32 times, backing off up to
+# 32 s each: with the server gone, a save would hang for a quarter of an hour
+# before failing. Six retries over about a minute, like gcsfs (which writes
+# the rest of a checkpoint), ride out a blip and fail a lost bucket promptly.
+# Orbax builds the TensorStore context of every save and restore from these
+# defaults.
+BUCKET_RETRIES = {"max_retries": 6, "initial_delay": "1s", "max_delay": "16s"}
+for _context in (tensorstore_utils._BASE_TS_CONTEXT,
+                 tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+  _context["gcs_request_retries"] = BUCKET_RETRIES
 _ITEM = "state"
 _DATASET = "dataset"
 # Siblings of CHECKPOINTS_SUBDIR that hold steps moved out of the restore
@@ -550,7 +562,8 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore fail in many types
       what = f"checkpoint step {step}" if step is not None else "checkpoints"
       self._failed = CheckpointWriteError(
-          f"Could not write {what} to {self.directory}: {_reason(e)}. {write_errors.ADVICE}")
+          f"Could not write {what} to {self.directory}: {_reason(e)}. "
+          f"{write_errors.advice(self.directory)}")
       raise self._failed from e
 
   def latest_step(self) -> int | None:

@@ -25,6 +25,7 @@ line before anything starts.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -43,6 +44,10 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 # process listed before, blind to what another process (a restarted job, the
 # other hosts of a job) wrote since.
 fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+# gcsfs logs each request that runs out of retries with its traceback, then
+# raises; what raises reaches t5lite, which names the file and the reason in
+# its one line.
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 # `gs://bucket/dir`, `s3://...`, `hdfs://...`: a scheme, then "://".
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

@@ -42,6 +42,7 @@ LOCK_FILE = "train.lock"
 HEARTBEAT_SECONDS = 30.0
 # Several missed heartbeats, and room for clock skew between hosts.
 STALE_AFTER_SECONDS = 300.0
+OBJECT_RETRY_SECONDS = 20.0
 
 
 class ModelDirInUse(UserError):
@@ -185,7 +186,8 @@ class _ObjectLock(_Heartbeat):
   def _refresh(self) -> bool:
     from google.api_core import exceptions
     try:  # only over the generation this holder wrote last
-      self._blob.upload_from_string(self._record, if_generation_match=self._blob.generation)
+      self._blob.upload_from_string(self._record, if_generation_match=self._blob.generation,
+                                    retry=_object_retry())
     except exceptions.PreconditionFailed:
       logging.warning("The lock %s was taken over by another trainer.", self._blob.name)
       return False
@@ -194,10 +196,28 @@ class _ObjectLock(_Heartbeat):
     return True
 
   def release(self) -> None:
+    """Removes the lock object. A bucket that cannot be reached (the run is
+    stopping because of it, as likely as not) leaves it behind, with a
+    warning: a restart on this host takes it over at once, another host
+    after `STALE_AFTER_SECONDS`."""
     from google.api_core import exceptions
     self._stop_beating()
-    with contextlib.suppress(exceptions.NotFound, exceptions.PreconditionFailed):
-      self._blob.delete(if_generation_match=self._blob.generation)
+    try:
+      self._blob.delete(if_generation_match=self._blob.generation, retry=_object_retry())
+    except (exceptions.NotFound, exceptions.PreconditionFailed):
+      pass  # taken over meanwhile: not ours to remove
+    except (exceptions.GoogleAPIError, OSError) as error:
+      logging.warning("Could not remove the lock %s (%s); a restart on this host takes it "
+                      "over, one on another host after %d s.", _blob_url(self._blob),
+                      write_errors.reason(error), STALE_AFTER_SECONDS)
+
+
+def _object_retry() -> Any:
+  """Retries of a request about the lock object, for `OBJECT_RETRY_SECONDS`
+  (the library's default is 120 s: with the bucket out of reach, a run that
+  stops would wait that long twice, for the last heartbeat and the removal)."""
+  from google.cloud.storage.retry import DEFAULT_RETRY
+  return DEFAULT_RETRY.with_timeout(OBJECT_RETRY_SECONDS)
 
 
 def _stale_object(blob: Any, me: Holder) -> Holder | None:

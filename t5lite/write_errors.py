@@ -13,9 +13,17 @@ import contextlib
 import re
 from collections.abc import Iterator
 
+from t5lite import paths
 
-ADVICE = ("Free disk space or make the directory writable (a file in its place must go), "
-          "then rerun the same command; it resumes from the newest complete checkpoint.")
+
+_RERUN = "then rerun the same command; it resumes from the newest complete checkpoint."
+ADVICE = f"Free disk space or make the directory writable (a file in its place must go), {_RERUN}"
+BUCKET_ADVICE = f"Check that the bucket can be reached and written with these credentials, {_RERUN}"
+
+
+def advice(where: str) -> str:
+  """What to do about a failed write to `where`, a local path or a URL."""
+  return BUCKET_ADVICE if paths.is_url(where) else ADVICE
 
 
 # TensorFlow's errors start with the op that met them, "{{function_node ...}}".
@@ -45,7 +53,7 @@ def write_failed(what: str, where: str, step: int | None, error: BaseException) 
     error: what the writer raised.
   """
   at = f" at step {step}" if step is not None else ""
-  return WriteError(f"Could not write {what} to {where}{at}: {reason(error)}. {ADVICE}")
+  return WriteError(f"Could not write {what} to {where}{at}: {reason(error)}. {advice(where)}")
 
 
 @contextlib.contextmanager

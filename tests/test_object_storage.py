@@ -10,6 +10,7 @@ t5lite cannot read, or a bucket where t5lite would write, is one line.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -18,6 +19,7 @@ import gcs_emulator
 import interop_helpers as h
 import jax
 import jax.numpy as jnp
+import multihost
 import numpy as np
 import pytest
 from test_cli import SHALLOW, TINY, Child, launch_cache, run_cli, run_in_process, user_error_line
@@ -227,3 +229,101 @@ def _dead_pid():
   process = subprocess.Popen(["true"])
   process.wait()
   return process.pid
+
+
+@pytest.mark.slow
+def test_a_bucket_lost_mid_run_stops_it_with_exit_5_and_keeps_its_committed_steps(
+    bucket, tmp_path, monkeypatch):
+  """The server goes away once step 2 is committed: the next save fails
+  within about a minute (TensorStore's retries bounded as gcsfs's), the run
+  exits 5 with one line naming the step, the bucket and what to do, and
+  leaves the lock object behind with a warning. With the server back, the
+  same command resumes from step 2 and finishes."""
+  model_dir = _url("runs/lost")
+  args = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0", "--gin.TRAIN_STEPS=6",
+          "--gin.CHECKPOINT_PERIOD=2", "--gin.STATS_PERIOD=1", f"--gin.MODEL_DIR='{model_dir}'"]
+  child = Child([*args, "--gin.TRAIN_STEPS=1000"], str(tmp_path))
+  deadline = time.monotonic() + 300
+  while 2 not in checkpoints.list_steps(model_dir)[1]:
+    assert child.proc.poll() is None and time.monotonic() < deadline, child.finish(60)
+    time.sleep(0.2)
+  bucket.kill()
+  try:
+    began = time.monotonic()
+    returncode, _, err = child.finish(240)
+    waited = time.monotonic() - began
+  finally:
+    bucket.start()
+  assert returncode == 5, err[-3000:]
+  assert waited < 180, waited
+  line = err.strip().splitlines()[-1]
+  assert re.match(r"t5lite: CheckpointWriteError: Could not write checkpoint step \d+ to "
+                  rf"{model_dir}/checkpoints: .*Check that the bucket can be reached", line), line
+  assert "Traceback" not in err, err[-3000:]
+  assert "Could not remove the lock" in err
+  assert paths.Path(f"{model_dir}/train.lock").exists()
+  committed = checkpoints.list_steps(model_dir)[1]
+  assert 2 in committed and max(committed) < 6, committed
+  out = run_in_process(args, str(tmp_path), monkeypatch)
+  assert f"Restoring step {max(committed)}" in out
+  assert checkpoints.list_steps(model_dir)[1][-1] == 6
+
+
+@pytest.mark.slow
+def test_an_unreadable_newest_step_in_a_bucket_is_set_aside_and_the_run_falls_back(
+    bucket, tmp_path, monkeypatch, caplog):
+  """As on a disk (docs/checkpoints.md): a step whose array files are
+  garbage is named in one warning, moved whole to checkpoints-unreadable/
+  in the bucket, and the run resumes from the step before it."""
+  model_dir = _url("runs/damaged")
+  args = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0", "--gin.CHECKPOINT_PERIOD=2",
+          "--gin.CHECKPOINTS_TO_KEEP=None", f"--gin.MODEL_DIR='{model_dir}'"]
+  run_in_process([*args, "--gin.TRAIN_STEPS=4"], str(tmp_path), monkeypatch)
+  step_4 = paths.Path(f"{model_dir}/checkpoints/4")
+  chunks = [f for f in paths.files_under(step_4) if f.parent.name == "d"]
+  assert chunks
+  for chunk in chunks:
+    chunk.write_bytes(os.urandom(len(chunk.read_bytes())))
+  damaged = {os.fspath(f)[len(os.fspath(step_4)):]: f.read_bytes()
+             for f in paths.files_under(step_4)}
+  caplog.clear()
+  out = run_in_process([*args, "--gin.TRAIN_STEPS=6"], str(tmp_path), monkeypatch)
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert [w for w in warnings if w.startswith(f"Checkpoint {model_dir}/checkpoints/4 is "
+                                              "unreadable") and "falling back to step 2" in w]
+  assert "steps 2 -> 6;" in out and "step 6/6" in out
+  aside = paths.Path(f"{model_dir}/checkpoints-unreadable/4")
+  assert {os.fspath(f)[len(os.fspath(aside)):]: f.read_bytes()
+          for f in paths.files_under(aside)} == damaged
+  assert checkpoints.list_steps(model_dir)[1] == [2, 4, 6]
+
+
+@pytest.mark.slow
+def test_two_processes_of_a_job_share_a_run_in_a_bucket(bucket, tmp_path):
+  """A 2-process job (one device each) trains into one gs:// MODEL_DIR:
+  process 0 takes the lock and writes the run's files, both take part in
+  every save, and the step-4 state equals, bit for bit, the same run in one
+  process with two devices on a local disk (on 2 devices every sum adds two
+  numbers, whose order does not matter)."""
+  common = [*TINY, *SHALLOW, "--gin.TRAIN_STEPS=4", "--gin.CHECKPOINT_PERIOD=2",
+            "--gin.EVAL_PERIOD=0", "--gin.STATS_PERIOD=1"]
+  shared, local = _url("runs/two_processes"), tmp_path / "local"
+  jobs = [multihost.start_job(lambda i: [*common, f"--gin.MODEL_DIR='{local}'"],
+                              cwd=str(tmp_path), log_dir=str(tmp_path / "logs1"), count=1,
+                              devices_per_process=2, with_distributed_flags=False),
+          multihost.start_job(lambda i: [*common, f"--gin.MODEL_DIR='{shared}'"],
+                              cwd=str(tmp_path), log_dir=str(tmp_path / "logs2"), count=2,
+                              devices_per_process=1)]
+  try:
+    results = [result for job in jobs for result in job.wait(600)]
+  finally:
+    for job in jobs:
+      job.kill_all()
+  assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
+  assert "step 4/4" in results[1].stdout and "step 4/4" not in results[2].stdout
+  assert checkpoints.list_steps(shared)[1] == [2, 4]
+  names = {p.name for p in paths.Path(shared).iterdir()}
+  assert {"checkpoints", "config.gin", "model-info.txt", "train"} <= names, names
+  assert "train.lock" not in names
+  assert_bitwise_equal(checkpoint_state(local / "checkpoints" / "4"),
+                       checkpoint_state(f"{shared}/checkpoints/4"))
