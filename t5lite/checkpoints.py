@@ -757,7 +757,7 @@ def open_checkpoint(path: str, mode: str = "latest") -> OpenedCheckpoint:
   Raises:
     ValueError: `path` holds no checkpoint.
   """
-  paths.check_readable("The checkpoint path", path)
+  paths.check_scheme("The checkpoint path", path)
   foreign = interop.checkpoint_format(path)
   if foreign:
     return OpenedCheckpoint(foreign, path, path, interop.checkpoint_step(path))

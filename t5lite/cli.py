@@ -140,7 +140,7 @@ def gin_search_paths(extra: Sequence[str]) -> list[str]:
 
 def _resolve_file(name: str, search_paths: Sequence[str]) -> str:
   if paths.is_url(name):
-    paths.check_readable("Gin file", name)
+    paths.check_scheme("Gin file", name)
     if not paths.Path(name).is_file():
       raise UserError(f"Gin file '{name}' not found; check the path.")
     return name

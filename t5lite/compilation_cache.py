@@ -103,7 +103,7 @@ def configure(directory: str | None, enabled: bool = True) -> str | None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   directory = directory or os.environ.get(ENV_DIRECTORY) or default_directory()
-  paths.check_readable("The compilation cache directory", directory)
+  paths.check_scheme("The compilation cache directory", directory)
   try:
     if "://" not in directory:  # JAX opens gs:// and the like itself
       os.makedirs(directory, exist_ok=True)

@@ -61,11 +61,10 @@ def _steps_to_evaluate(cfg: ckpt_lib.RestoreCheckpointConfig
 
 
 def _read_evaluated(output_dir: str) -> set[int]:
-  path = os.path.join(output_dir, inference.INFERENCE_EVAL_DIR, EVALUATED_STEPS_FILE)
-  if not os.path.exists(path):
+  path = paths.Path(paths.join(output_dir, inference.INFERENCE_EVAL_DIR, EVALUATED_STEPS_FILE))
+  if not path.exists():
     return set()
-  with open(path) as f:
-    return set(json.load(f))
+  return set(json.loads(path.read_text()))
 
 
 def _mark_evaluated(output_dir: str, steps: set[int]) -> None:
@@ -130,7 +129,7 @@ def evaluate(*, model: BaseModel, dataset_cfg: DatasetConfig, partitioner: Parti
     ValueError: no checkpoint, an unknown mode, or an invalid dataset config,
       before anything is written.
   """
-  paths.refuse_url("EVAL_OUTPUT_DIR", output_dir)
+  paths.check_scheme("EVAL_OUTPUT_DIR", output_dir)
   partitioner.validate()
   if dataset_cfg.pack:
     raise UserError("Inference evaluation decodes examples one by one; set "
@@ -295,8 +294,8 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
     raise UserError("Give exactly one of MIXTURE_OR_TASK_NAME (a task to predict) and "
                     f"INPUT_FILE (a file of inputs); got {mixture_or_task_name!r} and "
                     f"{input_file!r}.")
-  paths.refuse_url("INFER_OUTPUT_DIR", output_dir)
-  paths.check_readable("INPUT_FILE", input_file)
+  paths.check_scheme("INPUT_FILE", input_file)
+  paths.check_scheme("INFER_OUTPUT_DIR", output_dir)
   partitioner.validate()
   partitioner.get_data_layout(batch_size)
   if input_file is not None:
@@ -314,7 +313,7 @@ def infer(*, model: BaseModel, partitioner: Partitioner,
   written = []
   for name, examples in sources:
     predictions = _predict_examples(model, runner, params, examples, task_feature_lengths)
-    path = os.path.join(output_dir, f"{name}-{step}.jsonl")
+    path = paths.join(output_dir, f"{name}-{step}.jsonl")
     if jax.process_index() == 0:
       _write_predictions(path, examples, predictions, model)
     written.append(path)

@@ -56,20 +56,18 @@ def import_gin() -> str:
   from t5lite import interop
   if not FLAGS.source:
     raise UserError("--source is required: a T5X checkpoint or a Hugging Face folder.")
-  paths.check_readable("--source", FLAGS.source)
-  paths.refuse_url("--output", FLAGS.output)
+  paths.check_scheme("--source", FLAGS.source)
+  paths.check_scheme("--output", FLAGS.output)
   source = paths.absolute(FLAGS.source)
   if not paths.Path(source).exists():
     raise UserError(f"--source {FLAGS.source} does not exist.")
-  if FLAGS.output and os.path.exists(FLAGS.output) and not FLAGS.overwrite:
+  if FLAGS.output and paths.Path(FLAGS.output).exists() and not FLAGS.overwrite:
     raise UserError(f"--output {FLAGS.output} exists; pass --overwrite to replace it.")
   imported = interop.model_gin(source)
   recipe, text = imported.recipe, imported.text
   if FLAGS.output:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
-    with open(FLAGS.output + ".tmp", "w") as f:
-      f.write(text)
-    os.replace(FLAGS.output + ".tmp", FLAGS.output)
+    paths.makedirs(paths.parent(paths.absolute(FLAGS.output)))
+    paths.write_whole(FLAGS.output, text)
   if recipe is not None and recipe.omitted:
     # A warning (on stderr), so that a printed file stays valid gin.
     logging.warning("%d T5X setting(s) not carried over (listed in %s): %s", len(recipe.omitted),

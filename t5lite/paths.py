@@ -17,9 +17,9 @@ first looks at it); a user who has set the variable keeps their choice. It
 also turns off gcsfs's cache of listings, which would hide what other
 processes write.
 
-A training run's MODEL_DIR can be in a bucket; the outputs of t5lite-eval,
--infer, -export and -import cannot yet: `refuse_url` stops such a path in one
-line before anything starts.
+Every path a command takes can be in a bucket, but t5lite-export's
+EXPORT_DIR: `refuse_url` stops a URL there in one line before anything
+starts.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The schemes every layer t5lite reads through supports: etils/gcsfs for
 # files, TensorStore for arrays, Orbax for its checkpoints.
-READABLE_SCHEMES = ("gs",)
+SCHEMES = ("gs",)
 
 Path = epath.Path
 
@@ -69,22 +69,23 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
   return bool(path) and scheme(path) is not None
 
 
-def check_readable(name: str, path: str | None) -> None:
-  """Refuses a URL of a storage t5lite cannot read, before anything starts.
+def check_scheme(name: str, path: str | None) -> None:
+  """Refuses a URL of a storage t5lite cannot read or write, before anything
+  starts.
 
   Raises:
-    UserError: `path` is a URL whose scheme is not in `READABLE_SCHEMES`.
+    UserError: `path` is a URL whose scheme is not in `SCHEMES`.
   """
-  if path and is_url(path) and scheme(path) not in READABLE_SCHEMES:
+  if path and is_url(path) and scheme(path) not in SCHEMES:
     raise UserError(
-        f"{name} '{path}' is a {scheme(path)}:// URL; t5lite reads gs:// buckets and local or "
-        "mounted paths only: mount that storage with a FUSE client and give the mount's path "
-        "(docs/checkpoints.md, \"Buckets\").")
+        f"{name} '{path}' is a {scheme(path)}:// URL; t5lite reads and writes gs:// buckets "
+        "and local or mounted paths only: mount that storage with a FUSE client and give the "
+        "mount's path (docs/checkpoints.md, \"Buckets\").")
 
 
 def refuse_url(name: str, path: str | None) -> None:
-  """Refuses a URL where t5lite does not take one yet: the outputs of
-  t5lite-eval, -infer, -export and -import.
+  """Refuses a URL where t5lite does not take one yet: t5lite-export's
+  EXPORT_DIR.
 
   Checked before anything is read or written, so that a URL is never taken
   for a relative local directory `gs:` under the working directory.

@@ -126,7 +126,7 @@ def resolve_seed(random_seed: int | None) -> int:
 def _check_writable(model_dir: str) -> None:
   """MODEL_DIR (or the directory it will be created in) must be writable; a
   bucket says so at the first write (the run lock)."""
-  paths.check_readable("MODEL_DIR", model_dir)
+  paths.check_scheme("MODEL_DIR", model_dir)
   if paths.is_url(model_dir):
     return
   path = os.path.abspath(model_dir)

@@ -99,10 +99,12 @@ def test_t5lite_checkpoints_restore_from_a_bucket(bucket, tmp_path):
 
 
 @pytest.mark.slow
-def test_import_fine_tune_and_infer_from_a_bucket(bucket, tmp_path, monkeypatch):
+def test_import_fine_tune_infer_and_evaluate_in_a_bucket(bucket, tmp_path, monkeypatch):
   """`t5lite-import` writes the same gin file from the bucket as from the disk
-  (but for the paths it names); a fine-tune starts from the bucket with that
-  gin file read from it, and t5lite-infer reads its inputs from it."""
+  (but for the paths it names), and writes it into the bucket; a fine-tune
+  starts from the bucket with that gin file read from it and trains into
+  it; t5lite-infer reads its inputs from the bucket and writes its
+  predictions there, and t5lite-eval its results."""
   cwd = str(tmp_path)
   for local, name, step in ((BYT5, "hf/byt5", ""), (T5X_RUN, "t5x/run", "/checkpoint_0")):
     settings = []
@@ -113,28 +115,46 @@ def test_import_fine_tune_and_infer_from_a_bucket(bucket, tmp_path, monkeypatch)
       text = (tmp_path / "model.gin").read_text().replace(folder, "FOLDER")
       settings.append([line for line in text.splitlines() if not line.startswith("#")])
     assert settings[0] == settings[1] and len(settings[0]) > 10
-  result = run_cli([f"--source={_url('hf/byt5')}", "--output=byt5.gin", "--overwrite"], cwd,
-                   script="t5lite-import")
-  assert result.returncode == 0, result.stderr[-3000:]
-  gin_file = bucket.upload(str(tmp_path / "byt5.gin"), "gin/byt5.gin")
+  gin_file = _url("gin/byt5.gin")
+  for _ in range(2):  # the second time over the first
+    result = run_cli([f"--source={_url('hf/byt5')}", f"--output={gin_file}", "--overwrite"], cwd,
+                     script="t5lite-import")
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert f"Wrote {gin_file}: the " in result.stdout
+  lengths = "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}"
   stdout = run_in_process(
       [f"--gin_file={gin_file}", "--gin_file=gin/runs/finetune.gin",
-       f"--gin.INITIAL_CHECKPOINT_PATH='{_url('hf/byt5')}'", "--gin.MODEL_DIR='ft'",
-       "--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'", "--gin.BATCH_SIZE=8",
-       "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}", "--gin.TRAIN_STEPS=1",
-       "--gin.EVAL_PERIOD=0", "--gin.CHECKPOINT_PERIOD=1"], cwd, monkeypatch)
+       f"--gin.INITIAL_CHECKPOINT_PATH='{_url('hf/byt5')}'", f"--gin.MODEL_DIR='{_url('ft')}'",
+       "--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'", "--gin.BATCH_SIZE=8", lengths,
+       "--gin.TRAIN_STEPS=1", "--gin.EVAL_PERIOD=0", "--gin.CHECKPOINT_PERIOD=1"], cwd,
+      monkeypatch)
   assert f"Imported 70 parameters from {_url('hf/byt5')}" in stdout
-  assert os.listdir(tmp_path / "ft" / "checkpoints") == ["1"]
-  # Inference on the fine-tuned step, inputs from the bucket.
+  assert checkpoints.list_steps(_url("ft"))[1] == [1]
+  # Inference on the fine-tuned step, inputs from the bucket, predictions to it.
   (tmp_path / "inputs.txt").write_text("3 1 2\n\n5 4\n")
   inputs = bucket.upload(str(tmp_path / "inputs.txt"), "data/inputs.txt")
   run_in_process([f"--gin_file={gin_file}", "--gin_file=gin/runs/infer.gin",
-                  "--gin.CHECKPOINT_PATH='ft'", "--gin.INFER_OUTPUT_DIR='out'",
-                  f"--gin.INPUT_FILE='{inputs}'", "--gin.BATCH_SIZE=2",
-                  "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}"], cwd, monkeypatch,
+                  f"--gin.CHECKPOINT_PATH='{_url('ft')}'",
+                  f"--gin.INFER_OUTPUT_DIR='{_url('out')}'",
+                  f"--gin.INPUT_FILE='{inputs}'", "--gin.BATCH_SIZE=2", lengths], cwd, monkeypatch,
                  script="t5lite-infer")
-  rows = [json.loads(line) for line in (tmp_path / "out" / "inputs-1.jsonl").open()]
+  rows = [json.loads(line) for line in
+          paths.Path(_url("out/inputs-1.jsonl")).read_text().splitlines()]
   assert [row["inputs"] for row in rows] == ["3 1 2", "", "5 4"]
+  # Evaluation of the run's checkpoints, its results in the bucket; a second
+  # pass reads there which steps are done.
+  evaluate = [f"--gin_file={gin_file}", "--gin_file=gin/runs/eval.gin",
+              f"--gin.CHECKPOINT_PATH='{_url('ft')}'", f"--gin.EVAL_OUTPUT_DIR='{_url('ev')}'",
+              "--gin.MIXTURE_OR_TASK_NAME='t5lite_sort'", "--gin.NUM_EVAL_EXAMPLES=4",
+              "--gin.BATCH_SIZE=2", lengths]
+  run_in_process(evaluate, cwd, monkeypatch, script="t5lite-eval")
+  folder = paths.Path(_url("ev/inference_eval"))
+  assert json.loads((folder / "evaluated_steps.json").read_text()) == [1]
+  assert len((folder / "t5lite_sort-000001.jsonl").read_text().splitlines()) == 4
+  events = _download(_url("ev/inference_eval/t5lite_sort"), str(tmp_path / "ev"))
+  assert list(metrics.read_scalars(events, "exact_match")) == [1]
+  out = run_in_process(evaluate, cwd, monkeypatch, script="t5lite-eval")
+  assert "Skipping steps already evaluated: [1]" in out
 
 
 def test_a_bucket_where_t5lite_would_write_is_one_line_and_nothing_is_written(
@@ -154,7 +174,8 @@ def test_the_compilation_cache_can_live_in_a_bucket(bucket):
     jax.jit(lambda x: jnp.tanh(x) * 3.0)(jnp.ones(7)).block_until_ready()
   entries = [p.name for p in paths.Path(_url("cache")).iterdir()]
   assert any(name.startswith("jit__lambda") for name in entries), entries
-  with pytest.raises(UserError, match=r"directory 's3://b/cache' is a s3:// URL; t5lite reads gs"):
+  with pytest.raises(UserError,
+                     match=r"directory 's3://b/cache' is a s3:// URL; t5lite reads and writes gs"):
     compilation_cache.configure("s3://b/cache")
 
 
