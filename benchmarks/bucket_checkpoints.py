@@ -12,8 +12,6 @@ side it reports:
 - overlap: the mean step time of the windows with a save, their blocked
   time taken out, over that of the windows without one (1.0: the write in
   the background costs the steps nothing; t5lite's target is within 10 %);
-- final write: `wait_until_finished` for the last checkpoint, the whole
-  write of one checkpoint as the loop waits for it at the end;
 - restore: reading the last checkpoint's whole state back (Orbax, as a
   resume reads it), best of three.
 
@@ -106,7 +104,6 @@ def _measure(gin_files: list[str], model_dir: str, args: argparse.Namespace) -> 
       "step_seconds_windows_with_a_save": float(np.mean(with_save)),
       "step_seconds_windows_without": float(np.mean(without)),
       "overlap_ratio": float(np.mean(with_save) / np.mean(without)),
-      "final_write_seconds": float(sum(timer.waits)),
       "restore_seconds": _restore_seconds(model_dir),
   }
 

@@ -1,11 +1,14 @@
-"""Checkpoints and imports read from a gs:// bucket, against a local GCS server.
+"""Runs, checkpoints and imports in a gs:// bucket, against a local GCS server.
 
 The server is fake-gcs-server (tests/gcs_emulator.py), started by this module.
 What t5lite reads from a bucket must equal what it reads from the same files
 on disk: T5X checkpoints of both layouts, Hugging Face folders and t5lite's
 own checkpoints, through `t5lite-import`, a fine-tune's
-INITIAL_CHECKPOINT_PATH and the readers under them. A URL of a storage
-t5lite cannot read, or a bucket where t5lite would write, is one line.
+INITIAL_CHECKPOINT_PATH and the readers under them. Runs train, evaluate
+and infer into the bucket, are killed and resume bitwise, share it between
+two processes, fall back past a damaged step, and stop with exit 5 when the
+server goes away. A URL of a storage t5lite cannot read, or EXPORT_DIR in a
+bucket, is one line.
 """
 
 import json
