@@ -259,6 +259,7 @@ BENCH_TINY_ARGS = {
                     "--variant=scan_layers + remat full"],
     "profile_step.py": ["--steps=1", "--top=5"],
     "checkpoint_blocking.py": ["--steps=6", "--checkpoint_period=2", "--stats=2"],
+    "bucket_checkpoints.py": ["--steps=4", "--checkpoint_period=2"],
     "decode.py": ["--batch=2", "--length=8", "--repeats=1"],
     # The model of the tiny gin file _benchmark adds (2 + 2 layers, width 8).
     "import_throughput.py": ["--repeats=1"],
@@ -267,7 +268,8 @@ BENCH_TINY_ARGS = {
     "startup.py": ["--runs=1"],
     "memory.py": [],
 }
-_WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "decode.py",
+_WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "bucket_checkpoints.py",
+                "decode.py",
                 "import_throughput.py", "compare_commits.py", "startup.py", "memory.py")
 
 
@@ -279,7 +281,7 @@ def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
   tiny = BENCH_TINY_ARGS[script]
   overridden = tuple(a.split("=")[0] + "=" for a in tiny) + ("--output=",)
   out = [t for t in tokens if not t.startswith(overridden)]
-  if script == "checkpoint_blocking.py":
+  if script in ("checkpoint_blocking.py", "bucket_checkpoints.py"):
     out += ([] if any(t.startswith("--gin_file=") for t in out)
             else ["--gin_file=gin/pretrain_dense.gin"]) + [OVERLAY]
   elif script == "compare_commits.py":  # each --gin_file is one more config to compare
