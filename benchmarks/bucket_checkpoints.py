@@ -48,17 +48,6 @@ from t5lite import checkpoints, metrics, paths  # noqa: E402
 from t5lite import train as train_lib  # noqa: E402
 
 
-def _download(folder: str, local: str) -> str:
-  """A local copy of the files under `folder` (a URL or a path)."""
-  root = paths.Path(folder)
-  for file in paths.files_under(root):
-    target = os.path.join(local, os.fspath(file)[len(os.fspath(root)):].lstrip("/"))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target, "wb") as f:
-      f.write(file.read_bytes())
-  return local
-
-
 def _windows(rates: dict[int, float], stats: int, saves: list[tuple[int, float]]
              ) -> tuple[list[float], list[float]]:
   """Seconds per step of the timing windows after the first, net of the
@@ -96,7 +85,7 @@ def _measure(gin_files: list[str], model_dir: str, args: argparse.Namespace) -> 
   with blocking._SaveTimer() as timer:
     gin.get_configurable(train_lib.train)()
   with tempfile.TemporaryDirectory() as events:
-    rates = metrics.read_scalars(_download(paths.join(model_dir, "train"), events),
+    rates = metrics.read_scalars(gcs_emulator.download(paths.join(model_dir, "train"), events),
                                  "timing/steps_per_second")
   with_save, without = _windows(rates, stats, timer.saves)
   return {

@@ -154,7 +154,7 @@ def test_import_fine_tune_infer_and_evaluate_in_a_bucket(bucket, tmp_path, monke
   folder = paths.Path(_url("ev/inference_eval"))
   assert json.loads((folder / "evaluated_steps.json").read_text()) == [1]
   assert len((folder / "t5lite_sort-000001.jsonl").read_text().splitlines()) == 4
-  events = _download(_url("ev/inference_eval/t5lite_sort"), str(tmp_path / "ev"))
+  events = gcs_emulator.download(_url("ev/inference_eval/t5lite_sort"), str(tmp_path / "ev"))
   assert list(metrics.read_scalars(events, "exact_match")) == [1]
   out = run_in_process(evaluate, cwd, monkeypatch, script="t5lite-eval")
   assert "Skipping steps already evaluated: [1]" in out
@@ -182,17 +182,6 @@ def test_the_compilation_cache_can_live_in_a_bucket(bucket):
     compilation_cache.configure("s3://b/cache")
 
 
-def _download(url, folder):
-  """Copies the bucket folder `url` to the local `folder`, for readers of local files."""
-  root = paths.Path(url)
-  for file in paths.files_under(root):
-    local = os.path.join(folder, os.fspath(file)[len(os.fspath(root)):].lstrip("/"))
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    with open(local, "wb") as f:
-      f.write(file.read_bytes())
-  return folder
-
-
 @pytest.mark.slow
 def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch):
   """MODEL_DIR in the bucket: checkpoints, config.gin, model-info.txt and the
@@ -207,11 +196,12 @@ def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch)
                  monkeypatch)
   names = {p.name for p in paths.Path(straight).iterdir()}
   assert {"checkpoints", "config.gin", "model-info.txt", "train", "training_eval"} <= names, names
-  evaluated = _download(f"{straight}/training_eval", str(tmp_path / "eval"))
+  evaluated = gcs_emulator.download(f"{straight}/training_eval", str(tmp_path / "eval"))
   assert sorted(metrics.read_scalars(os.path.join(evaluated, os.listdir(evaluated)[0]),
                                      "loss")) == [8]
   assert not paths.Path(f"{straight}/train.lock").exists()  # released at the end
-  losses = metrics.read_scalars(_download(f"{straight}/train", str(tmp_path / "tb")), "loss")
+  events = gcs_emulator.download(f"{straight}/train", str(tmp_path / "tb"))
+  losses = metrics.read_scalars(events, "loss")
   assert sorted(losses) == list(range(1, 9))
 
   child = Child([*args, "--gin.TRAIN_STEPS=1000", f"--gin.MODEL_DIR='{killed}'"], str(tmp_path))
