@@ -98,14 +98,7 @@ def _measure(gin_files: list[str], model_dir: str, args: argparse.Namespace) -> 
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gin_file", action="append", default=None,
-                      help="gin files (default: the dense headline)")
-  parser.add_argument("--steps", type=int, default=40)
-  parser.add_argument("--checkpoint_period", type=int, default=10)
-  parser.add_argument(
-      "--output", default=None,
-      help="JSON path (default: benchmarks/results/bucket-checkpoints-<time>.json)")
+  parser = blocking.run_arguments(__doc__, "bucket-checkpoints")
   args = parser.parse_args()
   if args.checkpoint_period % 2 or args.steps % args.checkpoint_period:
     parser.error("--checkpoint_period must be even and divide --steps")

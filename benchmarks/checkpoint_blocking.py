@@ -102,16 +102,22 @@ def _step_times(rates: dict[int, float], stats: int,
   return float(np.mean(raw)), float(np.mean(net))
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_arguments(doc: str, name: str) -> argparse.ArgumentParser:
+  """The flags of a benchmark that trains with periodic checkpoints (this
+  one and bucket_checkpoints.py): the run, its period and the JSON's path."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   parser.add_argument("--gin_file", action="append", default=None,
                       help="gin files (default: the dense headline)")
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--checkpoint_period", type=int, default=10)
+  parser.add_argument("--output", default=None,
+                      help=f"JSON path (default: benchmarks/results/{name}-<time>.json)")
+  return parser
+
+
+def main() -> None:
+  parser = run_arguments(__doc__, "checkpoint-blocking")
   parser.add_argument("--stats", type=int, default=10)
-  parser.add_argument(
-      "--output", default=None,
-      help="JSON path (default: benchmarks/results/checkpoint-blocking-<time>.json)")
   args = parser.parse_args()
   gin_files = args.gin_file or ["gin/pretrain_dense.gin"]
   with tempfile.TemporaryDirectory() as model_dir:

@@ -253,6 +253,20 @@ def files_under(folder: epath.Path) -> Iterator[epath.Path]:
       yield child
 
 
+def copy_tree(source: str, destination: str) -> list[epath.Path]:
+  """Copies the file or folder `source` to `destination`, file by file, either
+  side local or in a bucket; returns the files copied."""
+  root = Path(source)
+  files = list(files_under(root)) if root.is_dir() else [root]
+  for file in files:
+    relative = os.fspath(file)[len(os.fspath(root)):].lstrip("/")
+    target = join(destination, *relative.split("/")) if relative else destination
+    if not is_url(target):
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+    _copy(os.fspath(file), target)
+  return files
+
+
 def move(source: str, destination: str) -> None:
   """Renames the file or folder `source` to `destination`.
 
@@ -262,10 +276,5 @@ def move(source: str, destination: str) -> None:
   if not is_url(source):
     os.rename(source, destination)
     return
-  root = Path(source)
-  files = list(files_under(root)) if root.is_dir() else [root]
-  for file in files:
-    relative = os.fspath(file)[len(os.fspath(root)):].lstrip("/")
-    _copy(os.fspath(file), join(destination, relative) if relative else destination)
-  for file in files:
+  for file in copy_tree(source, destination):
     file.unlink()

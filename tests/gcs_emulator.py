@@ -126,14 +126,10 @@ class Emulator:
     shutil.rmtree(os.path.join(self._folder, "objects"), ignore_errors=True)
 
 
+
 def download(url: str, folder: str) -> str:
   """Copies the files under `url` (a bucket folder) into the local `folder`,
   for readers of local files only (TensorBoard's); returns `folder`."""
   from t5lite import paths
-  root = paths.Path(url)
-  for file in paths.files_under(root):
-    local = os.path.join(folder, os.fspath(file)[len(os.fspath(root)):].lstrip("/"))
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    with open(local, "wb") as f:
-      f.write(file.read_bytes())
+  paths.copy_tree(url, folder)
   return folder
