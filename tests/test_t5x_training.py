@@ -26,10 +26,14 @@ perturbed start, so deconly_b's checkpoint_20 is held to that spread too.
 Replayed on the CPU class that wrote the runs (an Intel Xeon with AVX-512,
 without BF16; `t5x_chaos_more_xeon.npz`, the same script), T5X is bitwise
 its own runs unchanged, and its perturbed starts spread as on the other CPU;
-where T5X's spread is a bound, it is the larger of the two CPUs'.
+where T5X's spread is a bound, it is the larger of the two CPUs'. The
+bfloat16 run, whose kernels differ most between the two, is compared with
+T5X's replay on the CPU class the test runs on, where there is one
+(`cpu_class.py`).
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -56,6 +60,18 @@ CHAOS = _load("t5x_chaos.npz")
 MORE = _load("t5x_chaos_more.npz")  # an AMD EPYC with AVX-512 BF16
 XEON = _load("t5x_chaos_more_xeon.npz")  # the CPU class that wrote the runs
 OTHER_REPLAYS = (MORE, XEON)
+
+
+def _this_cpu():
+  spec = importlib.util.spec_from_file_location("cpu_class", os.path.join(DATA, "cpu_class.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.cpu_description()
+
+
+def _replay_on_this_cpu():
+  """T5X's replays on a CPU described as the one the tests run on, or None."""
+  return next((r for r in OTHER_REPLAYS if str(r["cpu"]) == _this_cpu()), None)
 
 
 CASES = ("start", "start_scanned", "resume", "decoder_only", "decoder_only_scanned",
@@ -242,19 +258,28 @@ def test_bfloat16_activations_match_t5x_s_bfloat16_run(measurements):
   # products differ by that much per operation, which a sum over 100+ tokens
   # averages at the first step and training then amplifies. T5X's own
   # bfloat16 run is within 5.2e-5 of its float32 run at step 1 and 6.6e-3 by
-  # step 10, then departs by up to 34 % (a loss spike in one run only); T5X
-  # replayed on another CPU, from its start or a perturbed one
-  # (t5x_chaos_more.py), lands up to 2.5e-4 from its logged bfloat16 run at
-  # step 1 and 1.3e-2 at step 6. Hence 1e-3 at step 1, 1e-2 to step 10 or
-  # T5X's own spread where larger, and nothing per step after
-  # (docs/from_t5x.md). The output layer is a float32 product, as in T5X
-  # (test_models.py); in bfloat16 it was 1.35e-2 off at step 6.
+  # step 10, then departs by up to 34 % (a loss spike in one run only). Its
+  # bfloat16 kernels differ between CPUs (t5x_chaos_more.py): on the AMD CPU
+  # its unchanged replay is 7.6e-3 off its logged run at step 6. So the
+  # reference is T5X's run on the CPU class the test runs on: its replay
+  # there, or its logged run on another class. Hence 1e-3 at step 1, 1e-2 to
+  # step 10 or T5X's own spread where larger (its perturbed starts, on this
+  # class about its replay, else on either class about its logged run), and
+  # nothing per step after (docs/from_t5x.md). The output layer is a float32
+  # product, as in T5X (test_models.py); in bfloat16 it was 1.35e-2 off at
+  # step 6 on the Xeon, outside T5X's spread there.
   measured = _measure("bfloat16", measurements)
   losses = np.array(measured["losses"])
-  gaps = np.abs(losses - BFLOAT16_METRICS["loss"]) / BFLOAT16_METRICS["loss"]
-  spread = _replay_spread("bf16")
+  replay = _replay_on_this_cpu()
+  if replay is None:
+    reference, spread = BFLOAT16_METRICS["loss"], _replay_spread("bf16")
+  else:
+    reference = replay["bf16_loss_rerun"]
+    spread = np.max(np.abs(replay["bf16_loss_perturbed"] - reference) / reference, axis=0)
+  gaps = np.abs(losses - reference) / reference
   bounds = np.maximum([1e-3] + [1e-2] * 9, spread[:10])
-  assert np.all(gaps[:10] <= bounds), (gaps[:10], bounds)
+  against = "T5X's replay on this CPU" if replay is not None else "T5X's logged run"
+  assert np.all(gaps[:10] <= bounds), (against, _this_cpu(), gaps[:10], bounds)
   # Still training the same way: the loss falls as T5X's does.
   assert losses[20:].mean() < 0.6 * losses[0]
   assert measured["learning_rate"] == pytest.approx(0.1)

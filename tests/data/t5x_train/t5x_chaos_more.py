@@ -73,7 +73,6 @@ from the repository root; takes about a minute on CPU:
 """
 
 import os
-import platform
 import sys
 import time
 
@@ -83,33 +82,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import t5x_chaos as chaos  # noqa: E402
 import t5x_replay as run  # noqa: E402
+from cpu_class import cpu_description  # noqa: E402
 
 
 SEEDS = chaos.SEEDS
 DECONLY_B = os.path.join(run._HERE, "deconly_b")
 DECONLY_CKPTS = (10, 20)
 ENCDEC_CKPTS = (10, 30)
-
-
-def cpu_description():
-  model, flags = platform.processor() or "unknown", set()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-          model = value.strip()
-        elif key.strip() == "flags":
-          flags = set(value.split())
-        if model != "unknown" and flags:
-          break
-  except OSError:
-    pass
-  has = lambda flag: "yes" if flag in flags else "no"  # noqa: E731
-  return (
-    f"{model}; avx512f={has('avx512f')}; avx512_bf16={has('avx512_bf16')}; "
-    f"amx_bf16={has('amx_bf16')}; cores={os.cpu_count()}"
-  )
 
 
 def versions():
