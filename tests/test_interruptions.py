@@ -159,9 +159,9 @@ def assert_bitwise_equal(a, b):
 
 
 # SIGKILL mid-run and a restart giving bitwise the uninterrupted run, for every
-# shipped headline config in one and in two processes:
-# test_multihost.py, test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_
-# two_processes.
+# shipped headline config, killed in one process and restarted in two or the
+# other way round: test_multihost.py, test_sigkill_then_restart_on_the_other_
+# process_count_equals_uninterrupted_run_bitwise.
 
 
 # ---------------------------------------------------------------------------

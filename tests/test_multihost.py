@@ -231,8 +231,9 @@ def _latest_step(model_dir):
 # checkpoint settings, no save_dataset), shrunk by the tiny overlay, the dense
 # ones to one layer per stack (depth changes nothing a restart restores; the
 # MoE keeps two, so that each stack has its MoE layer); evaluation is off
-# because it never touches the training data or state. Each config is
-# killed in 1 process and in 2, and restarted on the other count each time: a
+# because it never touches the training data or state. Each config is killed
+# once and restarted on the other process count: the dense ones killed in 1
+# process and continued in 2, the MoE killed in 2 and continued in 1, so a
 # 1-process checkpoint continues in 2 processes and a 2-process checkpoint in
 # 1, where the uninterrupted run went. Restarts on the count a run was killed
 # on follow the same restore path with a layout that matches; they are run in 1
@@ -242,9 +243,10 @@ def _latest_step(model_dir):
 # test_sigterm_to_one_process_checkpoints_the_
 # same_step_everywhere_then_a_killed_peer_stops_the_survivor (not bitwise).
 @pytest.mark.slow
-@pytest.mark.parametrize("headline", ["pretrain_dense", "pretrain_moe", "finetune_dense"])
-def test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_processes(
-    tmp_path, headline):
+@pytest.mark.parametrize("headline, killed_in", [("pretrain_dense", 1), ("pretrain_moe", 2),
+                                                 ("finetune_dense", 1)])
+def test_sigkill_then_restart_on_the_other_process_count_equals_uninterrupted_run_bitwise(
+    tmp_path, headline, killed_in):
   common = [f"--gin_file=gin/{headline}.gin", "--gin_file=gin/testing/local_tiny.gin",
             "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
             "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1",
@@ -256,36 +258,37 @@ def test_sigkill_then_restart_equals_uninterrupted_run_bitwise_in_one_and_two_pr
   # One uninterrupted reference serves both counts: on 2 devices every
   # cross-device sum adds two numbers, whose order does not matter, so 1
   # process with 2 devices and 2 processes with 1 each compute bitwise the
-  # same state. The 1-process runs start once the reference has compiled its
-  # step (the same program, then read from the compilation cache). Each
-  # restart, with the same command, is killed once it saved a step of its own.
+  # same state. The killed run starts once the reference has compiled its
+  # step (the same program, then read from the compilation cache), and is
+  # killed once it saved step 2; the restart, with the same command on the
+  # other count, finishes.
   killed = tmp_path / "killed"
+  restarted_in = 3 - killed_in
   straight = _start(args("straight"), tmp_path, "straight", 1)
-  jobs, saved = [straight], [0]  # the newest step on disk after each launch
+  jobs = [straight]
   try:
     straight.wait_for_output(0, "step 1/8", timeout=600)
-    for n in (1, 2):
-      jobs.append(_start(args("killed"), tmp_path, f"killed{n}", n))
-      _kill_once_saved(jobs[-1], killed / "checkpoints" / str(saved[-1] + 2))
-      saved.append(_latest_step(killed))
-    jobs.append(_start(args("killed"), tmp_path, "finished", 1))
+    jobs.append(_start(args("killed"), tmp_path, "killed", killed_in))
+    _kill_once_saved(jobs[-1], killed / "checkpoints" / "2")
+    saved = _latest_step(killed)
+    jobs.append(_start(args("killed"), tmp_path, "finished", restarted_in))
     finished = _finished(jobs[-1])
     _finished(straight)
     assert_bitwise_equal(checkpoint_state(tmp_path / "straight" / "checkpoints" / "8"),
                          checkpoint_state(killed / "checkpoints" / "8"))
-    # Each restart really restored the step before it and replayed the data
-    # after it: the 2-process run a 1-process checkpoint, the last a 2-process
-    # one.
-    two_processes = [jobs[2].output(i)[0] for i in (0, 1)]
-    for out, step in zip([two_processes[0], finished[0].stdout], saved[1:]):
-      assert step < 8 and re.search(rf"Restoring step {step}\b", out), out
-      assert re.search(rf"Continuing the training data at batch {step}\b", out), out
+    # The restart really restored the killed run's step and replayed the data
+    # after it.
+    out = finished[0].stdout
+    assert saved < 8 and re.search(rf"Restoring step {saved}\b", out), out
+    assert re.search(rf"Continuing the training data at batch {saved}\b", out), out
+    assert "step 8/8" in out
     # Process 0 alone reports progress and writes the run's files: one events
     # file per launch, whatever its process count.
-    assert re.search(r"step \d/8", two_processes[0])
-    assert not re.search(r"step \d/8", two_processes[1]), two_processes[1]
-    assert "step 8/8" in finished[0].stdout
-    assert len(os.listdir(killed / "train")) == 3
+    two_processes = jobs[1 if killed_in == 2 else 2]
+    first, second = (two_processes.output(i)[0] for i in (0, 1))
+    assert re.search(r"step \d/8", first)
+    assert not re.search(r"step \d/8", second), second
+    assert len(os.listdir(killed / "train")) == 2
   finally:  # nothing outlives a failure
     for job in jobs:
       job.kill_all()
