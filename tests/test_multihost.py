@@ -228,10 +228,10 @@ def _latest_step(model_dir):
 
 
 # The shipped headline configs as they are (their data pipelines, seeds and
-# checkpoint settings, no save_dataset), shrunk by the tiny overlay, the dense
-# ones to one layer per stack (depth changes nothing a restart restores; the
-# MoE keeps two, so that each stack has its MoE layer); evaluation is off
-# because it never touches the training data or state. Each config is killed
+# checkpoint settings, no save_dataset), shrunk by the tiny overlay to one
+# layer per stack (depth changes nothing a restart restores; the MoE's one
+# layer is its MoE layer, MOE_LAYER_INTERVAL 1, so that each stack routes);
+# evaluation is off because it never touches the training data or state. Each config is killed
 # once and restarted on the other process count: the dense ones killed in 1
 # process and continued in 2, the MoE killed in 2 and continued in 1, so a
 # 1-process checkpoint continues in 2 processes and a 2-process checkpoint in
@@ -250,7 +250,9 @@ def test_sigkill_then_restart_on_the_other_process_count_equals_uninterrupted_ru
   common = [f"--gin_file=gin/{headline}.gin", "--gin_file=gin/testing/local_tiny.gin",
             "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_PERIOD=2", "--gin.EVAL_PERIOD=0",
             "--gin.STATS_PERIOD=1", "--gin.DROPOUT_RATE=0.1",
-            *(SHALLOW if headline != "pretrain_moe" else [])]
+            *SHALLOW]
+  if headline == "pretrain_moe":
+    common.append("--gin.MOE_LAYER_INTERVAL=1")
 
   def args(name):
     return [*common, f"--gin.MODEL_DIR='{tmp_path / name}'"]
