@@ -360,7 +360,7 @@ def export_huggingface(*, model: BaseModel, partitioner: Partitioner,
       this checkpoint; checked before anything is written.
   """
   fields = interop.export_fields(model)  # refuses models with no counterpart first
-  paths.refuse_url("EXPORT_DIR", output_dir)
+  paths.check_scheme("EXPORT_DIR", output_dir)
   opened = ckpt_lib.open_checkpoint(restore_checkpoint_cfg.path or "", "auto")
   directory, step = opened.directory, opened.step
   source = paths.absolute(directory)

@@ -17,9 +17,8 @@ first looks at it); a user who has set the variable keeps their choice. It
 also turns off gcsfs's cache of listings, which would hide what other
 processes write.
 
-Every path a command takes can be in a bucket, but t5lite-export's
-EXPORT_DIR: `refuse_url` stops a URL there in one line before anything
-starts.
+Every path a command takes can be in a bucket; `check_scheme` refuses a
+URL of any other storage in one line before anything starts.
 """
 
 from __future__ import annotations
@@ -81,23 +80,6 @@ def check_scheme(name: str, path: str | None) -> None:
         f"{name} '{path}' is a {scheme(path)}:// URL; t5lite reads and writes gs:// buckets "
         "and local or mounted paths only: mount that storage with a FUSE client and give the "
         "mount's path (docs/checkpoints.md, \"Buckets\").")
-
-
-def refuse_url(name: str, path: str | None) -> None:
-  """Refuses a URL where t5lite does not take one yet: t5lite-export's
-  EXPORT_DIR.
-
-  Checked before anything is read or written, so that a URL is never taken
-  for a relative local directory `gs:` under the working directory.
-
-  Raises:
-    UserError: `path` is a URL.
-  """
-  if is_url(path):
-    raise UserError(f"{name} '{path}' is a URL; t5lite keeps a training run (MODEL_DIR) in a "
-                    f"gs:// bucket, but {name} must be local or mounted (a bucket mounted with "
-                    "a FUSE client such as gcsfuse works): give the path of the mount "
-                    "(docs/checkpoints.md, \"Buckets\").")
 
 
 def absolute(path: str) -> str:

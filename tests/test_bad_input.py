@@ -102,8 +102,8 @@ _EXPORT = ["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/export.gin"
                       "--gin.INPUT_FILE='s3://b/in.txt'"], "INPUT_FILE 's3://b/in.txt'"),
     ("t5lite-infer", [*_INFER, "--gin.CHECKPOINT_PATH='run'", "--gin.INFER_OUTPUT_DIR='s3://b/o'",
                       "--gin.INPUT_FILE='in.txt'"], "INFER_OUTPUT_DIR 's3://b/o'"),
-    ("t5lite-export", [*_EXPORT, "--gin.CHECKPOINT_PATH='run'", "--gin.EXPORT_DIR='gs://b/hf'"],
-     "EXPORT_DIR 'gs://b/hf'"),
+    ("t5lite-export", [*_EXPORT, "--gin.CHECKPOINT_PATH='run'", "--gin.EXPORT_DIR='s3://b/hf'"],
+     "EXPORT_DIR 's3://b/hf'"),
 ])
 def test_an_object_storage_url_is_refused_by_name_and_nothing_is_written(
     tmp_path, monkeypatch, script, args, named):

@@ -7,8 +7,8 @@ own checkpoints, through `t5lite-import`, a fine-tune's
 INITIAL_CHECKPOINT_PATH and the readers under them. Runs train, evaluate
 and infer into the bucket, are killed and resume bitwise, share it between
 two processes, fall back past a damaged step, and stop with exit 5 when the
-server goes away. A URL of a storage t5lite cannot read, or EXPORT_DIR in a
-bucket, is one line.
+server goes away; a run in the bucket is exported into it. A URL of a
+storage t5lite cannot read is one line.
 """
 
 import json
@@ -102,12 +102,13 @@ def test_t5lite_checkpoints_restore_from_a_bucket(bucket, tmp_path):
 
 
 @pytest.mark.slow
-def test_import_fine_tune_infer_and_evaluate_in_a_bucket(bucket, tmp_path, monkeypatch):
+def test_import_fine_tune_infer_evaluate_and_export_in_a_bucket(bucket, tmp_path, monkeypatch):
   """`t5lite-import` writes the same gin file from the bucket as from the disk
   (but for the paths it names), and writes it into the bucket; a fine-tune
   starts from the bucket with that gin file read from it and trains into
   it; t5lite-infer reads its inputs from the bucket and writes its
-  predictions there, and t5lite-eval its results."""
+  predictions there, t5lite-eval its results, and t5lite-export the
+  Hugging Face folder it writes on a disk."""
   cwd = str(tmp_path)
   for local, name, step in ((BYT5, "hf/byt5", ""), (T5X_RUN, "t5x/run", "/checkpoint_0")):
     settings = []
@@ -159,15 +160,32 @@ def test_import_fine_tune_infer_and_evaluate_in_a_bucket(bucket, tmp_path, monke
   out = run_in_process(evaluate, cwd, monkeypatch, script="t5lite-eval")
   assert "Skipping steps already evaluated: [1]" in out
 
+  # The fine-tuned step exported into the bucket is, byte for byte, the folder
+  # an export to a disk writes; the same command again replaces its own
+  # export. A file of someone else's in the folder is refused in one line,
+  # the folder left as it is; --overwrite replaces it, that file too.
+  export = [f"--gin_file={gin_file}", "--gin_file=gin/runs/export.gin",
+            f"--gin.CHECKPOINT_PATH='{_url('ft')}'"]
+  run_in_process([*export, "--gin.EXPORT_DIR='hf_local'"], cwd, monkeypatch, script="t5lite-export")
+  to_bucket = [*export, f"--gin.EXPORT_DIR='{_url('hf_out')}'"]
+  for _ in range(2):
+    out = run_in_process(to_bucket, cwd, monkeypatch, script="t5lite-export")
+    assert f"to {_url('hf_out')}: config.json" in out
+  on_disk = _files(tmp_path / "hf_local")
+  assert set(on_disk) >= {"config.json", "model.safetensors", "t5lite-export.json"}
+  assert _files(gcs_emulator.download(_url("hf_out"), str(tmp_path / "got1"))) == on_disk
+  paths.Path(_url("hf_out/notes.txt")).write_text("mine")
+  line = user_error_line(to_bucket, cwd, monkeypatch, script="t5lite-export")
+  assert "holds notes.txt, which its export did not write" in line and "--overwrite" in line
+  assert _files(gcs_emulator.download(_url("hf_out"), str(tmp_path / "got2"))) == {
+      **on_disk, "notes.txt": b"mine"}
+  run_in_process([*to_bucket, "--overwrite"], cwd, monkeypatch, script="t5lite-export")
+  assert _files(gcs_emulator.download(_url("hf_out"), str(tmp_path / "got3"))) == on_disk
 
-def test_a_bucket_where_t5lite_would_write_is_one_line_and_nothing_is_written(
-    bucket, tmp_path, monkeypatch):
-  (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
-  line = user_error_line(["--gin_file=gin/models/t5_tiny.gin", "--gin_file=gin/runs/export.gin",
-                          "--gin.CHECKPOINT_PATH='run'", f"--gin.EXPORT_DIR='{_url('hf_out')}'"],
-                         str(tmp_path), monkeypatch, script="t5lite-export")
-  assert f"EXPORT_DIR '{_url('hf_out')}' is a URL; t5lite keeps a training run" in line
-  assert not paths.Path(_url("hf_out")).exists()
+
+def _files(folder):
+  """Every file's bytes, by name."""
+  return {name: paths.Path(folder, name).read_bytes() for name in os.listdir(folder)}
 
 
 def test_the_compilation_cache_can_live_in_a_bucket(bucket):

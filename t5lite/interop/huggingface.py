@@ -18,7 +18,9 @@ EXPERT axis) and the router is `router.classifier` `[experts, d_model]`.
 
 An export writes only where `check_export_target` allows (a new or empty
 folder, or its own earlier export of the same checkpoint, which `MARKER`
-records), into a hidden sibling folder renamed into place when complete.
+records), into a hidden sibling folder renamed into place when complete. A
+bucket has no rename: the folder is written locally, then uploaded file by
+file with `MARKER` last, so a folder in a bucket without it is unfinished.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import secrets
 import shutil
 import stat
+import tempfile
 from typing import Any
 
 import ml_dtypes
@@ -496,6 +499,8 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
     for name, value in zip(names, _export_one([np.asarray(params[ours])], kind)):
       tensors[name] = np.ascontiguousarray(value, dtype=np.float32)
   check_export_target(output_dir, source, overwrite)
+  if paths.is_url(output_dir):
+    return _export_to_bucket(documents, tensors, output_dir, source, step)
   # A symlinked folder is replaced where it really is, so the renames stay
   # on its file system.
   target = os.path.realpath(output_dir)
@@ -517,6 +522,41 @@ def export(params: dict[str, np.ndarray], fields: dict[str, Any], output_dir: st
   return [os.path.join(output_dir, name) for name in [*files, MARKER]]
 
 
+def _export_to_bucket(documents: dict[str, bytes], tensors: dict[str, np.ndarray],
+                      output_dir: str, source: str, step: int) -> list[str]:
+  """`export` into a folder in a bucket, which has no rename.
+
+  The files are written into a private local folder, then uploaded one by
+  one: first the earlier export's `MARKER` is removed, so that a reader (or
+  the next export) never takes a half-replaced folder for a finished one,
+  then each file is uploaded (an object is replaced whole), objects the new
+  export did not write are removed (what `--overwrite` replaces), and
+  `MARKER` goes last. An upload that fails leaves a folder without `MARKER`,
+  which an export refuses to replace without `--overwrite`.
+  """
+  folder = paths.Path(output_dir)
+  with tempfile.TemporaryDirectory(prefix="t5lite-export-") as local:
+    files = _write_folder(local, documents, tensors, output_dir)
+    _write_marker(local, source, step, files)
+    try:
+      if (folder / MARKER).exists():
+        (folder / MARKER).unlink()
+      for name in files:
+        paths.copy_tree(os.path.join(local, name), paths.join(output_dir, name))
+      for old in (folder.iterdir() if folder.exists() else ()):
+        if old.name in files:
+          continue
+        if old.is_dir():
+          old.rmtree()
+        else:
+          old.unlink()
+      paths.copy_tree(os.path.join(local, MARKER), paths.join(output_dir, MARKER))
+    except OSError as error:
+      raise write_errors.WriteError(f"Could not write the export {output_dir}: "
+                                    f"{write_errors.reason(error)}.") from error
+  return [paths.join(output_dir, name) for name in [*files, MARKER]]
+
+
 def check_export_target(output_dir: str, source: str, overwrite: bool = False) -> None:
   """Refuses to export into a folder holding anything t5lite did not write.
 
@@ -536,10 +576,12 @@ def check_export_target(output_dir: str, source: str, overwrite: bool = False) -
     ValueError: `output_dir` is not a folder, or it is a non-empty folder
       other than a previous export of `source` and `overwrite` is False.
   """
-  if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+  folder = paths.Path(output_dir)
+  if (folder.is_file() if paths.is_url(output_dir)
+      else os.path.lexists(output_dir) and not os.path.isdir(output_dir)):
     raise UserError(f"Export folder {output_dir} exists and is not a folder; name a new "
                     "folder.")
-  if overwrite or not os.path.isdir(output_dir) or not os.listdir(output_dir):
+  if overwrite or not folder.is_dir() or not any(folder.iterdir()):
     return
   reason = _not_an_export_of(output_dir, source)
   if reason is not None:
@@ -550,12 +592,11 @@ def check_export_target(output_dir: str, source: str, overwrite: bool = False) -
 
 def _not_an_export_of(folder: str, source: str) -> str | None:
   """Why `folder` is not an untouched export of `source`; None when it is one."""
-  marker_file = os.path.join(folder, MARKER)
-  if not os.path.isfile(marker_file):
+  marker_file = paths.Path(folder) / MARKER
+  if not marker_file.is_file():
     return f"was not written by t5lite (it has no {MARKER})"
   try:
-    with open(marker_file) as f:
-      marker = json.load(f)
+    marker = json.loads(marker_file.read_text())
   except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
     return f"its {MARKER} is unreadable ({e})"
   if not (isinstance(marker, dict) and isinstance(marker.get("files"), dict)):
@@ -563,12 +604,13 @@ def _not_an_export_of(folder: str, source: str) -> str | None:
   if marker.get("checkpoint") != source:
     return f"holds an export of {marker.get('checkpoint')}, not of {source}"
   sizes = marker["files"]
-  for name in sorted(set(os.listdir(folder)) - {MARKER}):
-    path = os.path.join(folder, name)
-    if name not in sizes:
-      return f"holds {name}, which its export did not write"
-    if not os.path.isfile(path) or os.path.getsize(path) != sizes[name]:
-      return f"its {name} changed after the export wrote it"
+  for path in sorted(paths.Path(folder).iterdir()):
+    if path.name == MARKER:
+      continue
+    if path.name not in sizes:
+      return f"holds {path.name}, which its export did not write"
+    if not path.is_file() or path.stat().length != sizes[path.name]:
+      return f"its {path.name} changed after the export wrote it"
   return None
 
 
