@@ -201,17 +201,46 @@ def test_the_compilation_cache_can_live_in_a_bucket(bucket):
 
 
 @pytest.mark.slow
-def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch):
+def test_a_run_in_a_bucket_killed_resumes_bitwise_in_two_processes(bucket, tmp_path):
   """MODEL_DIR in the bucket: checkpoints, config.gin, model-info.txt and the
-  TensorBoard events land there; a run killed with SIGKILL once its step-2
-  checkpoint is committed resumes from its newest committed step, and its
-  step 8 equals an uninterrupted run's, bit for bit."""
+  TensorBoard events land there. A run killed with SIGKILL once its step-2
+  checkpoint is committed is resumed from its newest committed step by a
+  2-process job (one device each): process 0 takes over the lock the killed
+  run left and writes the run's files, both take part in every save, the
+  lock is released at the end, and step 8 equals, bit for bit, an
+  uninterrupted run in one process with two devices (on 2 devices every sum
+  adds two numbers, whose order does not matter)."""
   args = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0", "--gin.TRAIN_STEPS=8",
           "--gin.CHECKPOINT_PERIOD=2", "--gin.STATS_PERIOD=1"]
   straight, killed = _url("runs/straight"), _url("runs/killed")
+
+  def start(model_dir, name, count, *extra):
+    return multihost.start_job(lambda i: [*args, f"--gin.MODEL_DIR='{model_dir}'", *extra],
+                               cwd=str(tmp_path), log_dir=str(tmp_path / name), count=count,
+                               devices_per_process=2 // count, with_distributed_flags=count > 1)
+
   # With a train-eval at the end, whose events go to the bucket too.
-  run_in_process([*args, f"--gin.MODEL_DIR='{straight}'", "--gin.EVAL_PERIOD=8"], str(tmp_path),
-                 monkeypatch)
+  jobs = [start(straight, "straight", 1, "--gin.EVAL_PERIOD=8")]
+  try:
+    jobs[0].wait_for_output(0, "step 1/8", timeout=600)  # then its step is in the cache
+    jobs.append(start(killed, "killed", 1, "--gin.TRAIN_STEPS=1000"))
+    deadline = time.monotonic() + 300
+    while 2 not in checkpoints.list_steps(killed)[1]:
+      assert jobs[1].procs[0].poll() is None and time.monotonic() < deadline, jobs[1].describe()
+      time.sleep(0.2)
+    jobs[1].kill_all()
+    assert paths.Path(f"{killed}/train.lock").exists()  # left behind by the killed process
+    committed = checkpoints.list_steps(killed)[1]
+    assert 2 <= max(committed) < 8, committed
+    jobs.append(start(killed, "resumed", 2))
+    resumed = jobs[2].wait(600)
+    (done,) = jobs[0].wait(600)
+  finally:
+    for job in jobs:
+      job.kill_all()
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert [r.returncode for r in resumed] == [0, 0], [r.stderr[-2000:] for r in resumed]
+
   names = {p.name for p in paths.Path(straight).iterdir()}
   assert {"checkpoints", "config.gin", "model-info.txt", "train", "training_eval"} <= names, names
   evaluated = gcs_emulator.download(f"{straight}/training_eval", str(tmp_path / "eval"))
@@ -219,21 +248,14 @@ def test_a_run_in_a_bucket_killed_resumes_bitwise(bucket, tmp_path, monkeypatch)
                                      "loss")) == [8]
   assert not paths.Path(f"{straight}/train.lock").exists()  # released at the end
   events = gcs_emulator.download(f"{straight}/train", str(tmp_path / "tb"))
-  losses = metrics.read_scalars(events, "loss")
-  assert sorted(losses) == list(range(1, 9))
+  assert sorted(metrics.read_scalars(events, "loss")) == list(range(1, 9))
 
-  child = Child([*args, "--gin.TRAIN_STEPS=1000", f"--gin.MODEL_DIR='{killed}'"], str(tmp_path))
-  deadline = time.monotonic() + 300
-  while 2 not in checkpoints.list_steps(killed)[1]:
-    assert child.proc.poll() is None and time.monotonic() < deadline, child.finish(60)
-    time.sleep(0.2)
-  child.proc.kill()
-  child.finish(60)
-  assert paths.Path(f"{killed}/train.lock").exists()  # left behind by the killed process
-  committed = checkpoints.list_steps(killed)[1]
-  assert 2 <= max(committed) < 8, committed
-  out = run_in_process([*args, f"--gin.MODEL_DIR='{killed}'"], str(tmp_path), monkeypatch)
-  assert f"Restoring step {max(committed)}" in out
+  assert f"Restoring step {max(committed)}" in resumed[0].stdout
+  assert "step 8/8" in resumed[0].stdout and "step 8/8" not in resumed[1].stdout
+  assert 8 in checkpoints.list_steps(killed)[1]
+  names = {p.name for p in paths.Path(killed).iterdir()}
+  assert {"checkpoints", "config.gin", "model-info.txt", "train"} <= names, names
+  assert "train.lock" not in names
   assert_bitwise_equal(checkpoint_state(f"{straight}/checkpoints/8"),
                        checkpoint_state(f"{killed}/checkpoints/8"))
 
@@ -328,34 +350,3 @@ def test_an_unreadable_newest_step_in_a_bucket_is_set_aside_and_the_run_falls_ba
   assert {os.fspath(f)[len(os.fspath(aside)):]: f.read_bytes()
           for f in paths.files_under(aside)} == damaged
   assert checkpoints.list_steps(model_dir)[1] == [2, 4, 6]
-
-
-@pytest.mark.slow
-def test_two_processes_of_a_job_share_a_run_in_a_bucket(bucket, tmp_path):
-  """A 2-process job (one device each) trains into one gs:// MODEL_DIR:
-  process 0 takes the lock and writes the run's files, both take part in
-  every save, and the step-4 state equals, bit for bit, the same run in one
-  process with two devices on a local disk (on 2 devices every sum adds two
-  numbers, whose order does not matter)."""
-  common = [*TINY, *SHALLOW, "--gin.TRAIN_STEPS=4", "--gin.CHECKPOINT_PERIOD=2",
-            "--gin.EVAL_PERIOD=0", "--gin.STATS_PERIOD=1"]
-  shared, local = _url("runs/two_processes"), tmp_path / "local"
-  jobs = [multihost.start_job(lambda i: [*common, f"--gin.MODEL_DIR='{local}'"],
-                              cwd=str(tmp_path), log_dir=str(tmp_path / "logs1"), count=1,
-                              devices_per_process=2, with_distributed_flags=False),
-          multihost.start_job(lambda i: [*common, f"--gin.MODEL_DIR='{shared}'"],
-                              cwd=str(tmp_path), log_dir=str(tmp_path / "logs2"), count=2,
-                              devices_per_process=1)]
-  try:
-    results = [result for job in jobs for result in job.wait(600)]
-  finally:
-    for job in jobs:
-      job.kill_all()
-  assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
-  assert "step 4/4" in results[1].stdout and "step 4/4" not in results[2].stdout
-  assert checkpoints.list_steps(shared)[1] == [2, 4]
-  names = {p.name for p in paths.Path(shared).iterdir()}
-  assert {"checkpoints", "config.gin", "model-info.txt", "train"} <= names, names
-  assert "train.lock" not in names
-  assert_bitwise_equal(checkpoint_state(local / "checkpoints" / "4"),
-                       checkpoint_state(f"{shared}/checkpoints/4"))
