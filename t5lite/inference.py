@@ -173,9 +173,9 @@ class InferenceEvaluator:
     self._primary = jax.process_index() == 0
     self._dir = paths.join(output_dir, INFERENCE_EVAL_DIR)
     # seqio writes its JSONL through TensorFlow: local files, uploaded to a
-    # bucket after each evaluation.
-    self._jsonl = paths.Mirror(self._dir)
-    if self._primary:
+    # bucket after each evaluation. Process 0 alone writes them.
+    self._jsonl = paths.Mirror(self._dir) if self._primary else None
+    if self._jsonl is not None:
       with write_errors.writing("the inference results", self._dir):
         os.makedirs(self._jsonl.local, exist_ok=True)
     converter = model.INFERENCE_FEATURE_CONVERTER_CLS(pack=False)
@@ -185,7 +185,8 @@ class InferenceEvaluator:
           eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
           sequence_length=dict(cfg.task_feature_lengths), num_examples=num_examples,
           shuffle=False, logger_cls=(_JSONLogger,) if self._primary else (),
-          log_dir=self._jsonl.local if self._primary else None, async_compute_metrics=False)
+          log_dir=None if self._jsonl is None else self._jsonl.local,
+          async_compute_metrics=False)
     self._runner = BatchRunner(partitioner, cfg.batch_size, params_shardings)
     self._writers: dict[str, metrics_lib.SummaryWriter] = {}
 
@@ -241,7 +242,7 @@ class InferenceEvaluator:
       if isinstance(error.__cause__, write_errors.WriteError):
         raise error.__cause__ from None
       raise
-    if self._primary:
+    if self._jsonl is not None:
       with write_errors.writing("the inference results", self._dir, step):
         self._jsonl.sync()
     results = {task: _scalar_metrics(m) for task, m in computed.items()}
@@ -261,8 +262,9 @@ class InferenceEvaluator:
     self._evaluator.close()
     for writer in self._writers.values():
       writer.close()
-    with write_errors.writing("the inference results", self._dir):
-      self._jsonl.close()
+    if self._jsonl is not None:
+      with write_errors.writing("the inference results", self._dir):
+        self._jsonl.close()
 
 
 def examples_from_texts(texts: Sequence[str], vocabulary: seqio.Vocabulary,
