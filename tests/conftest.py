@@ -18,7 +18,8 @@ import gin
 from t5lite import cli
 
 
-# Tests compile at XLA's default optimisation level: the programs users get.
+# Tests compile at XLA's default optimisation level: the programs users get
+# (a test marked `fast_compile` says why its processes do not; see below).
 # No test reads a program that another test, or an earlier run, compiled:
 # each test, and each module's shared fixtures, gets a new empty directory in
 # $JAX_COMPILATION_CACHE_DIR, which the processes it starts inherit. The
@@ -39,13 +40,17 @@ def module_compilation_cache():
 
 @pytest.fixture(autouse=True)
 def private_compilation_cache(module_compilation_cache, request):
-  """The test's own cache. The documentation's commands (`make docs-check`)
-  compile at level 0: what they check is that each command runs and what
-  it prints, not its numbers, which the tests of `make test` check on the
-  same programs at the default level; level 0 compiles them about three
-  times faster."""
+  """The test's own cache, and the optimisation level of the processes it
+  starts: XLA's default, or level 0 for a test marked `fast_compile`, which
+  must say why. Level 0 compiles the tiny models about three times faster.
+  The documentation's commands (`make docs-check`) run at level 0: what they
+  check is that each command runs and what it prints, not its numbers, which
+  the tests of `make test` check on the same programs at the default level."""
+  fast = request.node.get_closest_marker("fast_compile")
+  if fast is not None and not (fast.args and isinstance(fast.args[0], str) and fast.args[0]):
+    raise pytest.UsageError(f"{request.node.nodeid}: fast_compile needs its reason")
   with _new_cache() as directory, pytest.MonkeyPatch.context() as patch:
-    if request.node.get_closest_marker("docs"):
+    if fast is not None or request.node.get_closest_marker("docs"):
       patch.setenv("XLA_FLAGS", " ".join([*os.environ.get("XLA_FLAGS", "").split(),
                                           "--xla_backend_optimization_level=0"]))
     yield directory

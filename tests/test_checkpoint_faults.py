@@ -19,6 +19,13 @@ from test_cli import SHALLOW, TINY, cli_env, run_cli, run_in_process, user_error
 from t5lite import checkpoints, cli, dry_run, metrics, write_errors
 
 
+# The processes these tests start compile at XLA's optimisation level 0
+# (tests/conftest.py).
+pytestmark = pytest.mark.fast_compile(
+    "these tests check exit statuses, messages and which checkpoints a faulty disk leaves; "
+    "the optimised programs' numbers are checked by the training and parity tests")
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "checkpoint_fault_worker.py")
 READER = os.path.join(HERE, "checkpoint_read_worker.py")

@@ -12,6 +12,14 @@ from test_cli import SHALLOW, TINY, run_cli
 from t5lite import compilation_cache
 
 
+# The processes these tests start compile at XLA's optimisation level 0
+# (tests/conftest.py).
+ABOUT_THE_PROGRAMS_NOT_THEIR_NUMBERS = pytest.mark.fast_compile(
+    "it checks which programs a launch compiles, stores and loads, not what they compute; a"
+    " launch's cache entries are keyed by its XLA flags, the same for every launch of the "
+    "test")
+
+
 _SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
              "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_enable_xla_caches")
@@ -117,6 +125,7 @@ _SMALLER = [*TINY, *SHALLOW, "--gin.EVAL_PERIOD=0"]
 
 
 @pytest.mark.slow
+@ABOUT_THE_PROGRAMS_NOT_THEIR_NUMBERS
 def test_a_read_only_cache_is_read_with_one_line_and_the_run_succeeds(tmp_path):
   from test_cli import BIN, cli_env
   cache = tmp_path / "cache"
@@ -141,6 +150,7 @@ _USE = re.compile(r"compilation cache (\S+): (\d+) program\(s\) loaded, (\d+) co
 
 
 @pytest.mark.slow
+@ABOUT_THE_PROGRAMS_NOT_THEIR_NUMBERS
 def test_a_second_launch_loads_every_program_and_the_flag_turns_it_off(tmp_path):
   cache = tmp_path / "cache"
   uses = []

@@ -266,6 +266,10 @@ def test_eval_cli_reproduces_training_and_infer_cli_writes_predictions_for_a_fil
 
 
 @pytest.mark.slow
+@pytest.mark.fast_compile(
+    "it checks how a job's processes stop together and that 1 and 2 processes evaluate "
+    "alike: runs compared with runs of the same programs, whose numbers at the default "
+    "level the evaluation tests above check")
 def test_two_processes_stop_together_and_evaluate_like_one(tmp_path):
   from multihost import start_job
 

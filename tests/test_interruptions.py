@@ -15,7 +15,9 @@ from test_cli import SHALLOW, TINY, Child, run_cli, run_in_process, scalars
 # End-to-end: real processes and training runs (part of `make test`). What a
 # test needs before or after the process it interrupts (a run to restart, a
 # restart's stdout) is trained in this process (`run_in_process`).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.fast_compile(
+    "these tests check exit statuses, checkpoints and runs compared with runs of the same "
+    "programs; the optimised programs' numbers are checked by the training and parity tests")]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,14 @@ from test_interruptions import assert_bitwise_equal, checkpoint_state
 from t5lite import distributed
 
 
+# The processes these tests start compile at XLA's optimisation level 0
+# (tests/conftest.py).
+pytestmark = pytest.mark.fast_compile(
+    "these tests check how a job's processes start, agree, stop and resume: exit statuses, "
+    "messages, checkpoints, and runs compared with runs of the same programs; the optimised "
+    "programs' numbers are checked by the training and parity tests")
+
+
 # Unshuffled, unpacked arithmetic problems (no random preprocessing): the
 # global batch holds the same examples whether 1 or 2 processes read it, so
 # the losses must agree. Only the row order inside a batch differs. One layer

@@ -32,6 +32,14 @@ from t5lite import checkpoints, compilation_cache, interop, metrics, paths, run_
 from t5lite.errors import UserError
 
 
+# The processes these tests start compile at XLA's optimisation level 0
+# (tests/conftest.py).
+pytestmark = pytest.mark.fast_compile(
+    "these tests check what reaches the bucket and what is read back: bytes, steps, exit "
+    "statuses, and runs compared with runs of the same programs; the optimised programs' "
+    "numbers are checked by the training and parity tests")
+
+
 BYT5 = os.path.join(h.HF, "byt5")
 T5X_RUN = os.path.join(h.DATA, "t5x_train", "encdec_a")
 
