@@ -10,7 +10,8 @@ run too: together, in order, as one script in one process, after the
 page's commands. A command is
 rewritten to CI size by the rule for its program in RULES; a program with
 no rule fails the test, so a new document or command is never silently
-skipped. Commands that need a cluster or GPUs are listed in CLUSTER_ONLY
+skipped; a benchmark command whose CI-sized form equals an earlier one of
+the same page runs once. Commands that need a cluster or GPUs are listed in CLUSTER_ONLY
 with the reason; where their config can still be checked, they run as
 `--dry_run` on fake CPU devices instead.
 
@@ -273,6 +274,13 @@ _WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "bucket_check
                 "import_throughput.py", "compare_commits.py", "startup.py", "memory.py")
 
 
+# A benchmark's CI-sized command: it depends on nothing an earlier command
+# left, so a second one equal to it (the documented commands differed in
+# what CI size replaces: a base commit, configs, step counts) checks nothing
+# more and runs once.
+_BENCHMARK_SCRIPT = re.compile(r"\S*python benchmarks/\w+\.py( [^\n;&|]*)?")
+
+
 def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
   """`python benchmarks/X.py`: the script on a tiny config, its JSON in the sandbox."""
   script = os.path.basename(tokens[1]) if len(tokens) > 1 else ""
@@ -405,7 +413,7 @@ def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              PATH=os.pathsep.join([os.path.join(box.root, ".venv", "bin"),
                                    os.environ.get("PATH", "")]), **env_vars)
-  log = []
+  log, benchmarks_run = [], {}
   for block in fenced_blocks(doc, box.root):
     file_name = re.fullmatch(r"(?:python|gin)\s+file=(\S+)", block.info)
     if file_name:
@@ -413,7 +421,13 @@ def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
         f.write(block.text)
       continue
     for build in block_scripts(block, box):
-      log.append(_run_script(build(), f"{doc}:{block.line}", box, env))
+      script, where = build(), f"{doc}:{block.line}"
+      if script in benchmarks_run:
+        log.append(f"{where}: as {benchmarks_run[script]}, not run again")
+        continue
+      log.append(_run_script(script, where, box, env))
+      if _BENCHMARK_SCRIPT.fullmatch(script):
+        benchmarks_run[script] = where
   notebook = notebook_script(doc, box)
   if notebook is not None:
     log.append(_run_script(notebook, f"{doc} (its python blocks)", box, env))
