@@ -51,7 +51,10 @@ logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 # `gs://bucket/dir`, `s3://...`, `hdfs://...`: a scheme, then "://".
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The schemes every layer t5lite reads through supports: etils/gcsfs for
-# files, TensorStore for arrays, Orbax for its checkpoints.
+# files, TensorStore for arrays, Orbax for its checkpoints. Orbax builds its
+# TensorStore spec for gs:// alone and takes any other path for a local one
+# (an s3:// directory fails its "should be absolute" check), so s3:// is
+# refused whatever etils and TensorStore could do.
 SCHEMES = ("gs",)
 
 Path = epath.Path

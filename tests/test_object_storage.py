@@ -208,6 +208,22 @@ def test_the_compilation_cache_can_live_in_a_bucket(bucket):
     compilation_cache.configure("s3://b/cache")
 
 
+def test_orbax_still_stores_arrays_in_gs_buckets_only():
+  """Why s3:// is refused (t5lite/paths.py): Orbax places a checkpoint's
+  arrays with TensorStore's gcs driver for gs:// and takes every other
+  directory for a local path. When this fails, Orbax has learnt another
+  scheme, and t5lite's SCHEMES can follow it, with a server to test it
+  against."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+  spec = tensorstore_utils.build_kvstore_tspec("gs://t5lite-test/run/checkpoints/4",
+                                               name="params", use_ocdbt=True)
+  assert spec["base"] == {"driver": "gcs", "bucket": "t5lite-test",
+                          "path": "run/checkpoints/4"}, spec
+  with pytest.raises(ValueError, match="should be absolute"):
+    tensorstore_utils.build_kvstore_tspec("s3://t5lite-test/run/checkpoints/4",
+                                          name="params", use_ocdbt=True)
+
+
 @pytest.mark.slow
 def test_a_run_in_a_bucket_killed_resumes_bitwise_in_two_processes(bucket, tmp_path):
   """MODEL_DIR in the bucket: checkpoints, config.gin, model-info.txt and the
