@@ -11,9 +11,10 @@ page's commands. A command is
 rewritten to CI size by the rule for its program in RULES; a program with
 no rule fails the test, so a new document or command is never silently
 skipped; a benchmark command whose CI-sized form equals an earlier one of
-the same page runs once. Commands that need a cluster or GPUs are listed in CLUSTER_ONLY
-with the reason; where their config can still be checked, they run as
-`--dry_run` on fake CPU devices instead.
+the same page runs once, and a command another test runs in the same form
+(RUN_ELSEWHERE_LINES) runs there only. Commands that need a cluster or
+GPUs are listed in CLUSTER_ONLY with the reason; where their config can
+still be checked, they run as `--dry_run` on fake CPU devices instead.
 
 The gin reference is checked against the shipped gin files and the
 signatures it documents, so it cannot fall behind them.
@@ -387,7 +388,15 @@ def block_scripts(block: Block, box: Sandbox) -> list[Callable[[], str]]:
     ci_line(line, box, where)  # fails now for a command without a rule
   if any(line == "wait" or line.startswith(SHELL_LINES) for line in lines):
     return [lambda: "\n".join(ci_line(line, box, where) for line in lines)]
-  return [lambda line=line: ci_line(line, box, where) for line in lines]
+  return [lambda line=line: ci_line(line, box, where) for line in lines
+          if (block.doc, line) not in RUN_ELSEWHERE_LINES]
+
+
+# Single commands of a document that another test runs in the same CI-sized
+# form (its ci_line), and which one.
+RUN_ELSEWHERE_LINES = {
+    ("README.md", "make train"): "tests/test_newcomer.py, in a fresh clone",
+}
 
 
 # Pages whose ```python blocks a reader runs in order (a notebook page, the
@@ -453,6 +462,13 @@ def test_every_cluster_entry_still_matches_a_block():
     for entry in entries:
       assert entry.marker in text, f"{doc}: no block contains {entry.marker!r}; update " \
                                    "CLUSTER_ONLY"
+
+
+def test_every_command_run_elsewhere_is_still_in_its_document():
+  for (doc, line), elsewhere in RUN_ELSEWHERE_LINES.items():
+    commands = [c for b in fenced_blocks(doc) if b.info == "sh" for c in logical_lines(b.text)]
+    assert line in commands, f"{doc} no longer has `{line}` ({elsewhere}); update " \
+                             "RUN_ELSEWHERE_LINES"
 
 
 def test_every_command_has_a_ci_form(tmp_path):
