@@ -275,13 +275,6 @@ _WRITES_JSON = ("run.py", "features.py", "checkpoint_blocking.py", "bucket_check
                 "import_throughput.py", "compare_commits.py", "startup.py", "memory.py")
 
 
-# A benchmark's CI-sized command: it depends on nothing an earlier command
-# left, so a second one equal to it (the documented commands differed in
-# what CI size replaces: a base commit, configs, step counts) checks nothing
-# more and runs once.
-_BENCHMARK_SCRIPT = re.compile(r"\S*python benchmarks/\w+\.py( [^\n;&|]*)?")
-
-
 def _benchmark(tokens: list[str], box: Sandbox) -> list[str]:
   """`python benchmarks/X.py`: the script on a tiny config, its JSON in the sandbox."""
   script = os.path.basename(tokens[1]) if len(tokens) > 1 else ""
@@ -417,6 +410,17 @@ def notebook_script(doc: str, box: Sandbox) -> str | None:
   return f".venv/bin/python {NOTEBOOK_SCRIPT}"
 
 
+def _is_benchmark(script: str) -> bool:
+  """Whether a script is one benchmark command, CI-sized. It depends on
+  nothing an earlier command left, so a second one equal to it (the
+  documented commands differed in what CI size replaces: a base commit,
+  configs, step counts) checks nothing more and runs once."""
+  if "\n" in script:
+    return False
+  _, tokens, background = _split(script)
+  return not background and RULES.get(os.path.basename(tokens[0])) is _benchmark
+
+
 def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
   """Runs a document's blocks in order in `box`; returns a line per command."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
@@ -435,7 +439,7 @@ def run_document(doc: str, box: Sandbox, **env_vars: str) -> list[str]:
         log.append(f"{where}: as {benchmarks_run[script]}, not run again")
         continue
       log.append(_run_script(script, where, box, env))
-      if _BENCHMARK_SCRIPT.fullmatch(script):
+      if _is_benchmark(script):
         benchmarks_run[script] = where
   notebook = notebook_script(doc, box)
   if notebook is not None:
