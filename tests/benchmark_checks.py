@@ -116,11 +116,12 @@ def check_memory(results_dir, gin_file):
   assert full["compiled"]["temporaries"] < plain["compiled"]["temporaries"]
 
 
-def check_all(results_dir, gin_file):
-  """Every check, on the JSON files the scripts wrote to `results_dir`."""
+def check_all(results_dir, gin_file, memory_gin_file):
+  """Every check, on the JSON files the scripts wrote to `results_dir`
+  (memory.py's for its own gin file)."""
   check_run(results_dir, gin_file)
   check_compare_commits(results_dir, gin_file)
   check_startup(results_dir, gin_file)
-  check_memory(results_dir, gin_file)
+  check_memory(results_dir, memory_gin_file)
   check_checkpoint_blocking(results_dir)
   check_decode(results_dir)
