@@ -3,8 +3,12 @@
 Test order: modules with slow end-to-end cases first, so that the two
 `make test` workers end together instead of one running a long case alone
 at the end; before them the tests marked `longest` (the newcomer path of
-`make docs-check`, several minutes alone). Each module stays in one piece
-(its fixtures are set up once)."""
+`make docs-check`, several minutes alone). Each module stays contiguous in
+that order, but pytest-xdist hands its tests out one at a time: a module
+whose tests land on both workers sets its module fixtures up on each. Handing
+out whole modules (`--dist loadfile`) would set them up once, but by the
+suite's per-test times the two workers would then end further apart by about
+what the repeated fixtures cost."""
 
 import contextlib
 import gc
