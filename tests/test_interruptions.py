@@ -20,21 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.fast_compile(
     "programs; the optimised programs' numbers are checked by the training and parity tests")]
 
 
+# Neither evaluation nor depth is what these tests are about: without them a
+# launch compiles less.
+LIGHT = [*SHALLOW, "--gin.EVAL_PERIOD=0"]
+
+
 @pytest.fixture(scope="module")
 def trained_to_step_4(tmp_path_factory):
   """A tiny run trained to step 4, checkpointed at steps 2 and 4; read-only
   (tests copy it)."""
   model_dir = tmp_path_factory.mktemp("trained") / "run"
   with pytest.MonkeyPatch.context() as patch:
-    run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4"],
+    run_in_process([*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=4"],
                    str(model_dir.parent), patch)
   assert sorted(os.listdir(model_dir / "checkpoints"), key=int) == ["2", "4"]
   return model_dir
-
-
-# Neither evaluation nor depth is what these tests are about: without them a
-# launch compiles less.
-LIGHT = [*SHALLOW, "--gin.EVAL_PERIOD=0"]
 
 
 def test_sigterm_and_ctrl_c_checkpoint_the_current_step_exit_143_and_130_and_resume_loses_nothing(
@@ -100,10 +100,10 @@ def test_divergence_is_not_saved_restart_trains_on_and_half_written_step_is_not_
     tmp_path, trained_to_step_4, monkeypatch, capfd, caplog):
   """Both restart from a copy of the run trained to step 4: one test, so that
   the launches after the first read the train step from its compilation
-  cache. Evaluation is off in the restarts: no assertion reads it."""
+  cache."""
   model_dir = tmp_path / "run"
   # checkpoints and stats every 2 steps
-  base = [*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0"]
+  base = [*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'"]
   shutil.copytree(trained_to_step_4, model_dir)  # a good run to step 4
   # The update of step 5 blows the weights up (|params| ~1e9) with a finite
   # loss; the loss is NaN only at step 8, after step 6 would have been saved.
@@ -132,8 +132,8 @@ def test_divergence_is_not_saved_restart_trains_on_and_half_written_step_is_not_
   capfd.readouterr()
   caplog.clear()
   # An error (the counterpart of a non-zero exit) propagates.
-  out = run_in_process([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.EVAL_PERIOD=0",
-                        "--gin.TRAIN_STEPS=6"], str(tmp_path), monkeypatch)
+  out = run_in_process([*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6"],
+                       str(tmp_path), monkeypatch)
   stderr = capfd.readouterr().err + caplog.text
   assert "Ignoring unfinished checkpoint(s) at step(s) [8]" in stderr
   assert "Restoring step 4" in out and "steps 4 -> 6;" in out
@@ -226,7 +226,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, trained_to_st
   before = _files(model_dir)
   # Without the compilation cache the train step really compiles (seconds).
   compile_for_real = ["--nocompilation_cache"] if moment == "tracing and compiling" else []
-  child = Child([*TINY, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
+  child = Child([*TINY, *LIGHT, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=6",
                  *compile_for_real], cwd=str(tmp_path))
   _wait_until(child, lambda: _MOMENTS[moment](child, model_dir), moment)
   child.proc.send_signal(signal.SIGINT)
