@@ -2,7 +2,8 @@
 
 Golden partition specs of the tiny models under every partitioning preset,
 the same parameters and loss after training on 1 device and under each
-preset on 8, a run resumed on a different mesh, and parameters created
+preset on 8 (the decoder-only model under fsdp and fsdp_tp: see
+TRAIN_PRESETS), a run resumed on a different mesh, and parameters created
 already split.
 
 The device count is fixed before JAX starts, so the checks run in one
